@@ -1,0 +1,26 @@
+"""hf_primal: Primal-Attention (Chen et al., NeurIPS 2023) for HuggingFace Transformers.
+
+``import hf_primal`` lets BERT, ViT and GPT-2 models take a ``primal_attention`` config option::
+
+    import hf_primal
+    from transformers import AutoModelForSequenceClassification
+    model = AutoModelForSequenceClassification.from_pretrained(path, primal_attention={"layers": [-1]})
+"""
+
+from .config import PrimalAttentionConfig
+from .modeling_primal import SUPPORTED_ARCHITECTURES, apply_primal_attention, primal_layers
+from .patching import install_hooks
+from .primal import KSVDTerms, PrimalCore
+
+install_hooks()
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PrimalAttentionConfig",
+    "PrimalCore",
+    "KSVDTerms",
+    "SUPPORTED_ARCHITECTURES",
+    "apply_primal_attention",
+    "primal_layers",
+]

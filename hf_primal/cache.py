@@ -1,0 +1,123 @@
+"""Constant-size generation state for causal primal layers, as a transformers cache layer.
+
+A causal primal layer needs only the running sums of its q and k and the number of valid tokens seen
+(method spec §3), so its slot in a `DynamicCache` holds a `CausalState` of shape (B, H, d) instead of
+keys and values that grow with the context. Canonical layers of the same model keep their KV layers.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, EncoderDecoderCache
+
+from .primal import CausalState
+
+
+class PrimalCacheLayer(CacheLayerMixin):
+    """Running q/k sums of one causal primal layer.
+
+    `seen` counts every token fed so far, padding included, because transformers derives positions and
+    mask sizes from it; the state's `count` counts only valid tokens.
+    """
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+    supports_early_init = False
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__()
+        self.state: Optional[CausalState] = None
+        self.seen = 0
+
+    # -- CacheLayerMixin interface ------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        return None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        raise RuntimeError(
+            "A primal attention layer keeps running sums, not keys and values; `update` must not be called on "
+            "its cache layer. Was a stock attention module run at a primal layer index?"
+        )
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.state = None
+        self.seen = 0
+        self.is_initialized = False
+
+    def _map_state(self, fn) -> None:
+        if self.state is not None:
+            self.state = CausalState(*(fn(t) for t in self.state))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_state(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_state(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_state(lambda t: t[indices])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError(
+            "Primal-Attention caches cannot be cropped (running sums cannot forget tokens): assisted / speculative "
+            "decoding is not supported with primal layers."
+        )
+
+    def offload(self) -> None:
+        self._map_state(lambda t: t.to("cpu", non_blocking=True))
+
+    def prefetch(self) -> None:
+        device = getattr(self, "device", None)
+        if device is not None:
+            self._map_state(lambda t: t.to(device, non_blocking=True))
+
+    # -- primal interface -----------------------------------------------------------
+    def write(self, state: CausalState, new_tokens: int) -> None:
+        self.state = state
+        self.device = state.sum_q.device
+        self.seen += int(new_tokens)
+        self.is_initialized = True
+
+    def state_numel(self) -> int:
+        """Number of elements the layer holds (independent of the context length)."""
+        return 0 if self.state is None else sum(t.numel() for t in self.state)
+
+
+def primal_cache_layer(cache: Cache, layer_idx: int) -> PrimalCacheLayer:
+    """The `PrimalCacheLayer` at `layer_idx` of `cache`, installing it on first use.
+
+    Raises a clear error for caches whose layers cannot hold a primal state (static / quantized / offloaded
+    caches), instead of letting stock KV layers produce wrong tokens.
+    """
+    if isinstance(cache, EncoderDecoderCache):
+        cache = cache.self_attention_cache
+    layers = cache.layers
+    if layer_idx < len(layers) and isinstance(layers[layer_idx], PrimalCacheLayer):
+        return layers[layer_idx]
+    if layer_idx < len(layers):
+        current = layers[layer_idx]
+        if type(current) is not DynamicLayer or current.is_initialized:
+            raise ValueError(
+                f"Primal-Attention layer {layer_idx} cannot use a {type(cache).__name__} whose layer is a "
+                f"{type(current).__name__}: primal layers keep a constant-size running state. Use the default "
+                "`DynamicCache` (do not pass cache_implementation='static' / a StaticCache / a quantized cache)."
+            )
+        layers[layer_idx] = PrimalCacheLayer()
+        return layers[layer_idx]
+    # Lazily-grown cache (DynamicCache() without config): fill the gap with the cache's own layer type.
+    while len(layers) < layer_idx:
+        layers.append(cache.layer_class_to_replicate() if cache.layer_class_to_replicate else DynamicLayer())
+    layers.append(PrimalCacheLayer())
+    return layers[layer_idx]

@@ -1,0 +1,135 @@
+"""`PrimalAttentionConfig`: what a model's `config.json` says about its primal layers.
+
+Plain Python on purpose (no torch, no transformers): this file is copied next to converted checkpoints
+as remote code and must import anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+LayersSpec = Union[str, list[int]]
+
+_REDUCTIONS = ("sequence", "batch")
+
+
+@dataclass
+class PrimalAttentionConfig:
+    """Which attention layers run Primal-Attention, and with what hyper-parameters.
+
+    Args:
+        layers: Layer indices to make primal (negative indices count from the end, as in Python), or
+            ``"all"``. The default ``[-1]`` is the paper's "Primal.+" (only the last layer); ``"all"`` is
+            "Primal." (PrimalFormer).
+        low_rank: ``s``, the number of KSVD projection directions per head.
+        rank_multi: ``m``; encoders sample ``p = min(N_max, s * m)`` tokens to build the data-dependent
+            projection weights (``N_max`` = the model's maximum sequence length).
+        eta: weight of the KSVD regulariser added to the task loss by `PrimalTrainer`.
+        ksvd_reduction: ``"sequence"`` (J per sequence, squared, then averaged; the default) or ``"batch"``
+            (J over the whole batch, as in the paper's CV/LRA code).
+    """
+
+    layers: LayersSpec = field(default_factory=lambda: [-1])
+    low_rank: int = 30
+    rank_multi: int = 10
+    eta: float = 0.1
+    ksvd_reduction: str = "sequence"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        if isinstance(self.layers, str):
+            if self.layers != "all":
+                raise ValueError(
+                    f"PrimalAttentionConfig.layers={self.layers!r} is not allowed: use 'all' or a list of layer "
+                    "indices such as [-1] or [0, 3]."
+                )
+        elif isinstance(self.layers, Sequence) and not isinstance(self.layers, (bytes, bytearray)):
+            bad = [x for x in self.layers if isinstance(x, bool) or not isinstance(x, numbers.Integral)]
+            if bad or len(self.layers) == 0:
+                raise ValueError(
+                    f"PrimalAttentionConfig.layers={list(self.layers)!r} is not allowed: it must be 'all' or a "
+                    "non-empty list of integer layer indices (negative indices count from the end)."
+                )
+            self.layers = [int(x) for x in self.layers]
+            if len(set(self.layers)) != len(self.layers):
+                raise ValueError(
+                    f"PrimalAttentionConfig.layers={self.layers!r} contains duplicated indices; each layer may "
+                    "appear once."
+                )
+        else:
+            raise ValueError(
+                f"PrimalAttentionConfig.layers={self.layers!r} (type {type(self.layers).__name__}) is not allowed: "
+                "it must be 'all' or a list of integer layer indices such as [-1]."
+            )
+        for name in ("low_rank", "rank_multi"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"PrimalAttentionConfig.{name}={value!r} is not allowed: it must be an integer >= 1.")
+            setattr(self, name, int(value))
+        if isinstance(self.eta, bool) or not isinstance(self.eta, numbers.Real) or not (self.eta >= 0):
+            raise ValueError(f"PrimalAttentionConfig.eta={self.eta!r} is not allowed: it must be a real number >= 0.")
+        if self.eta == float("inf"):
+            raise ValueError(f"PrimalAttentionConfig.eta={self.eta!r} is not allowed: it must be finite.")
+        self.eta = float(self.eta)
+        if self.ksvd_reduction not in _REDUCTIONS:
+            raise ValueError(
+                f"PrimalAttentionConfig.ksvd_reduction={self.ksvd_reduction!r} is not allowed: use one of "
+                f"{list(_REDUCTIONS)}."
+            )
+
+    def resolve_layers(self, num_layers: int) -> list[int]:
+        """Map `layers` onto ``range(num_layers)``; raises ValueError when an index does not exist."""
+        if self.layers == "all":
+            return list(range(num_layers))
+        resolved = []
+        for index in self.layers:
+            if not -num_layers <= index < num_layers:
+                raise ValueError(
+                    f"PrimalAttentionConfig.layers={self.layers!r}: index {index} is out of range for a model with "
+                    f"{num_layers} attention layers (allowed: {-num_layers} .. {num_layers - 1})."
+                )
+            resolved.append(index % num_layers)
+        if len(set(resolved)) != len(resolved):
+            raise ValueError(
+                f"PrimalAttentionConfig.layers={self.layers!r} names the same layer twice once negative indices are "
+                f"resolved against {num_layers} layers ({resolved})."
+            )
+        return sorted(resolved)
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def to_dict(self) -> dict[str, Any]:
+        """The plain-JSON form stored under ``"primal_attention"`` in ``config.json``."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "PrimalAttentionConfig":
+        allowed = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - allowed)
+        if unknown:
+            raise ValueError(
+                f"primal_attention has unknown field(s) {unknown}; allowed fields are {sorted(allowed)}."
+            )
+        return cls(**dict(data))
+
+    @classmethod
+    def coerce(cls, value: Any) -> "PrimalAttentionConfig":
+        """Accept a `PrimalAttentionConfig` or a dict (e.g. read from config.json)."""
+        if isinstance(value, cls):
+            value.validate()
+            return value
+        # Duck-typed: the remote-code copy of this class is a different class object.
+        if dataclasses.is_dataclass(value) and type(value).__name__ == cls.__name__:
+            return cls.from_dict(dataclasses.asdict(value))
+        if isinstance(value, Mapping):
+            return cls.from_dict(value)
+        raise ValueError(
+            f"primal_attention={value!r} (type {type(value).__name__}) is not allowed: pass a PrimalAttentionConfig, "
+            "a dict of its fields, or None."
+        )

@@ -1,0 +1,348 @@
+"""Primal-Attention layers for transformers' BERT, ViT and GPT-2, and the in-place converter.
+
+This file and the flat modules it imports (`primal.py`, `cache.py`, `config.py`) import only torch and
+transformers: they are copied next to exported checkpoints as remote code, so that
+``AutoModel*.from_pretrained(folder, trust_remote_code=True)`` works where hf_primal is not installed.
+
+How a layer becomes primal: `apply_primal_attention(model)` swaps the ``__class__`` of each selected stock
+attention module to the matching ``Primal*`` subclass below, attaches a `PrimalCore` as ``.primal`` and
+deletes the value projection. q/k and output-projection parameters keep their stock names, so ordinary
+checkpoints load into them unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+from transformers import initialization as hf_init
+from transformers.cache_utils import Cache
+from transformers.models.bert.modeling_bert import BertPreTrainedModel, BertSelfAttention
+from transformers.models.gpt2.modeling_gpt2 import GPT2Attention, GPT2PreTrainedModel
+from transformers.models.vit.modeling_vit import ViTAttention, ViTPreTrainedModel
+from transformers.pytorch_utils import Conv1D
+
+from .cache import primal_cache_layer
+from .config import PrimalAttentionConfig
+from .primal import PrimalCore, num_sampled_tokens
+
+
+# ---------------------------------------------------------------------------------------------- masks
+def valid_tokens(attention_mask: Optional[torch.Tensor], batch: int, length: int) -> Optional[torch.Tensor]:
+    """Which of the `length` newest tokens are real, from whatever mask transformers built.
+
+    Accepts 4D boolean (True = attend) and additive float masks (sdpa / eager) and 2D masks (flash
+    attention). Key validity is read from the last query row, which sees every key in both causal and
+    bidirectional masks. Returns None when every token is valid.
+    """
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, torch.Tensor):
+        raise ValueError(
+            f"Primal-Attention cannot read an attention mask of type {type(attention_mask).__name__} (e.g. a flex "
+            "attention BlockMask); load the model with attn_implementation='sdpa' or 'eager'."
+        )
+    if attention_mask.dim() == 4:
+        row = attention_mask[:, 0, -1, -length:]
+        if row.dtype == torch.bool:
+            valid = row
+        else:
+            valid = row > torch.finfo(row.dtype).min / 2
+    elif attention_mask.dim() == 2:
+        valid = attention_mask[:, -length:] != 0
+    else:
+        raise ValueError(
+            f"Primal-Attention got an attention mask with shape {tuple(attention_mask.shape)}; expected a 2D "
+            "(batch, keys) or 4D (batch, 1, queries, keys) mask."
+        )
+    return valid.expand(batch, length)
+
+
+def run_primal(
+    module: nn.Module,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    x: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    cache: Optional[Cache] = None,
+) -> torch.Tensor:
+    """Shared body of every primal attention module: (B, H, L, d) q/k -> (B, L, H*d) merged heads.
+
+    Keeps the layer's `KSVDTerms` on ``module.ksvd_terms`` for the loss.
+    """
+    batch, heads, length, dim = q.shape
+    valid = valid_tokens(attention_mask, batch, length)
+    core = module.primal
+    if module._primal_causal:
+        layer = primal_cache_layer(cache, module.layer_idx) if cache is not None else None
+        y, terms, state = core(q, k, valid=valid, state=layer.state if layer is not None else None)
+        if layer is not None:
+            layer.write(state, length)
+    else:
+        y, terms, _ = core(q, k, x=x, valid=valid)
+    module.ksvd_terms = terms
+    return y.transpose(1, 2).reshape(batch, length, heads * dim)
+
+
+def _no_attention_matrix(q: torch.Tensor) -> torch.Tensor:
+    # Primal layers have no N x N attention matrix. An empty (B, H, L, 0) tensor keeps `outputs.attentions[i]`
+    # aligned with layer i (a None would silently shift the tuple) and cannot be mistaken for probabilities.
+    return q.new_zeros(q.shape[0], q.shape[1], q.shape[2], 0)
+
+
+def _pop_cache(cache, kwargs):
+    # transformers 5.24 renamed `past_key_values` to `cache`; accept both spellings.
+    legacy = kwargs.pop("past_key_values", None)
+    return cache if cache is not None else legacy
+
+
+# ---------------------------------------------------------------------------------------------- layers
+class PrimalBertSelfAttention(BertSelfAttention):
+    """BERT self-attention computed by Primal-Attention (causal when ``config.is_decoder``)."""
+
+    _is_primal_attention = True
+
+    def forward(self, hidden_states, attention_mask=None, cache=None, **kwargs):
+        cache = _pop_cache(cache, kwargs)
+        hidden_shape = (*hidden_states.shape[:-1], -1, self.attention_head_size)
+        q = self.query(hidden_states).view(hidden_shape).transpose(1, 2)
+        k = self.key(hidden_states).view(hidden_shape).transpose(1, 2)
+        out = run_primal(self, q, k, hidden_states, attention_mask, cache)
+        return out, _no_attention_matrix(q)
+
+
+class PrimalViTAttention(ViTAttention):
+    """ViT self-attention computed by non-causal Primal-Attention."""
+
+    _is_primal_attention = True
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        q = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        out = run_primal(self, q, k, hidden_states, attention_mask)
+        return self.o_proj(out), _no_attention_matrix(q)
+
+
+class PrimalGPT2Attention(GPT2Attention):
+    """GPT-2 self-attention computed by causal Primal-Attention with a constant-size cache.
+
+    The fused ``c_attn`` keeps its value third so that ordinary checkpoints and LoRA on ``c_attn`` load
+    unchanged; the stock Conv1D path multiplies only the q/k two thirds.
+    """
+
+    _is_primal_attention = True
+
+    def forward(
+        self,
+        hidden_states,
+        cache=None,
+        attention_mask=None,
+        encoder_hidden_states=None,
+        encoder_attention_mask=None,
+        output_attentions=False,
+        **kwargs,
+    ):
+        cache = _pop_cache(cache, kwargs)
+        if encoder_hidden_states is not None:
+            raise ValueError("PrimalGPT2Attention is a self-attention layer; cross-attention stays canonical.")
+        width = 2 * self.split_size
+        if type(self.c_attn) is Conv1D:
+            flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+            qk = torch.addmm(self.c_attn.bias[:width], flat, self.c_attn.weight[:, :width])
+            qk = qk.view(*hidden_states.shape[:-1], width)
+        else:  # wrapped (e.g. LoRA): call the module so the wrapper takes part
+            qk = self.c_attn(hidden_states)[..., :width]
+        q, k = qk.split(self.split_size, dim=-1)
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        q = q.view(shape).transpose(1, 2)
+        k = k.view(shape).transpose(1, 2)
+        out = run_primal(self, q, k, hidden_states, attention_mask, cache)
+        out = self.resid_dropout(self.c_proj(out))
+        return out, _no_attention_matrix(q)
+
+
+# ---------------------------------------------------------------------------------------------- adapters
+@dataclass(frozen=True)
+class _Adapter:
+    """Where one architecture keeps its attention modules and how they become primal."""
+
+    name: str
+    base_class: type
+    attention_class: type
+    primal_class: type
+    list_layers: Callable[[nn.Module], list]  # base model -> [(module path relative to base, module)]
+    value_attr: Optional[str]
+    ignore_value_patterns: Callable[[int], list]
+    max_tokens: Callable[[object], int]
+    causal: Callable[[object], bool]
+
+
+def _bert_layers(base):
+    return [(f"encoder.layer.{i}.attention.self", layer.attention.self) for i, layer in enumerate(base.encoder.layer)]
+
+
+def _vit_layers(base):
+    return [(f"layers.{i}.attention", layer.attention) for i, layer in enumerate(base.layers)]
+
+
+def _gpt2_layers(base):
+    return [(f"h.{i}.attn", block.attn) for i, block in enumerate(base.h)]
+
+
+def _vit_max_tokens(config) -> int:
+    image = config.image_size if isinstance(config.image_size, int) else max(config.image_size)
+    patch = config.patch_size if isinstance(config.patch_size, int) else min(config.patch_size)
+    return (image // patch) ** 2 + 1
+
+
+ADAPTERS = (
+    _Adapter(
+        name="bert",
+        base_class=BertPreTrainedModel,
+        attention_class=BertSelfAttention,
+        primal_class=PrimalBertSelfAttention,
+        list_layers=_bert_layers,
+        value_attr="value",
+        ignore_value_patterns=lambda i: [rf"encoder\.layer\.{i}\.attention\.self\.value\."],
+        max_tokens=lambda c: c.max_position_embeddings,
+        causal=lambda c: bool(c.is_decoder),
+    ),
+    _Adapter(
+        name="vit",
+        base_class=ViTPreTrainedModel,
+        attention_class=ViTAttention,
+        primal_class=PrimalViTAttention,
+        list_layers=_vit_layers,
+        value_attr="v_proj",
+        ignore_value_patterns=lambda i: [
+            rf"layers\.{i}\.attention\.v_proj\.",
+            rf"encoder\.layer\.{i}\.attention\.attention\.value\.",
+        ],
+        max_tokens=_vit_max_tokens,
+        causal=lambda c: False,
+    ),
+    _Adapter(
+        name="gpt2",
+        base_class=GPT2PreTrainedModel,
+        attention_class=GPT2Attention,
+        primal_class=PrimalGPT2Attention,
+        list_layers=_gpt2_layers,
+        value_attr=None,
+        ignore_value_patterns=lambda i: [],
+        max_tokens=lambda c: c.n_positions,
+        causal=lambda c: True,
+    ),
+)
+
+SUPPORTED_ARCHITECTURES = "bert (BertModel, BertFor*, BertLMHeadModel), vit (ViTModel, ViTFor*), gpt2 (GPT2Model, GPT2LMHeadModel, GPT2For*, GPT2DoubleHeadsModel)"
+
+
+def find_adapter(model: nn.Module) -> _Adapter:
+    for adapter in ADAPTERS:
+        if isinstance(model, adapter.base_class):
+            return adapter
+    config = getattr(model, "config", None)
+    raise ValueError(
+        f"Primal-Attention does not support {type(model).__name__} (model_type="
+        f"{getattr(config, 'model_type', None)!r}); supported architectures: {SUPPORTED_ARCHITECTURES}."
+    )
+
+
+def _head_geometry(module: nn.Module) -> tuple[int, int]:
+    heads = getattr(module, "num_attention_heads", None) or getattr(module, "num_heads")
+    dim = getattr(module, "attention_head_size", None) or getattr(module, "head_dim")
+    return int(heads), int(dim)
+
+
+def _reference_weight(module: nn.Module) -> torch.Tensor:
+    for name in ("query", "q_proj", "c_attn"):
+        sub = getattr(module, name, None)
+        if sub is not None:
+            return sub.weight
+    return next(module.parameters())
+
+
+def apply_primal_attention(model: nn.Module, primal_config=None) -> list[str]:
+    """Make the layers selected by ``model.config.primal_attention`` primal, in place.
+
+    Idempotent and duck-typed (a remote-code copy of these classes and the plugin may both run). Returns the
+    regex patterns of checkpoint keys that primal layers no longer have (value projections).
+    """
+    adapter = find_adapter(model)
+    config = model.config
+    spec = primal_config if primal_config is not None else getattr(config, "primal_attention", None)
+    if spec is None:
+        return []
+    spec = PrimalAttentionConfig.coerce(spec)
+    base = getattr(model, model.base_model_prefix, model)
+    layers = adapter.list_layers(base)
+    selected = spec.resolve_layers(len(layers))
+    causal = adapter.causal(config)
+    hidden = config.hidden_size
+    ignore: list[str] = []
+    for index in selected:
+        _, module = layers[index]
+        ignore += adapter.ignore_value_patterns(index)
+        if getattr(module, "_is_primal_attention", False):
+            continue
+        if not isinstance(module, adapter.attention_class):
+            raise ValueError(
+                f"Layer {index} of {type(model).__name__} is a {type(module).__name__}, not a stock "
+                f"{adapter.attention_class.__name__}; hf_primal converts only stock attention modules."
+            )
+        heads, dim = _head_geometry(module)
+        if heads * dim != hidden:
+            raise ValueError(
+                f"Primal-Attention needs hidden_size == num_heads * head_dim (it splits the layer input into heads); "
+                f"got hidden_size={hidden}, num_heads={heads}, head_dim={dim}."
+            )
+        samples = 0 if causal else num_sampled_tokens(adapter.max_tokens(config), spec.low_rank, spec.rank_multi)
+        reference = _reference_weight(module)
+        core = PrimalCore(heads, dim, spec.low_rank, samples, causal)
+        core = core.to(device=reference.device, dtype=reference.dtype)
+        module.__class__ = adapter.primal_class
+        module.primal = core
+        module._primal_causal = causal
+        module.layer_idx = index
+        if adapter.value_attr is not None and hasattr(module, adapter.value_attr):
+            delattr(module, adapter.value_attr)
+    return ignore
+
+
+@torch.no_grad()
+def init_primal_core(core: nn.Module) -> None:
+    """Method spec §5 initialisation, skipping tensors a checkpoint already filled."""
+    hf_init.orthogonal_(core.We)
+    hf_init.orthogonal_(core.Wr)
+    hf_init.uniform_(core.Lambda, 0.0, 1.0)
+
+
+def primal_layers(model: nn.Module) -> list[str]:
+    """Module names of the attention layers of `model` that run Primal-Attention."""
+    return [name for name, module in model.named_modules() if getattr(module, "_is_primal_attention", False)]
+
+
+def ignore_patterns(model: nn.Module) -> list[str]:
+    """Regexes of checkpoint keys dropped from the primal layers of `model` (value projections)."""
+    adapter = find_adapter(model)
+    spec = getattr(model.config, "primal_attention", None)
+    if spec is None:
+        return []
+    base = getattr(model, model.base_model_prefix, model)
+    selected = PrimalAttentionConfig.coerce(spec).resolve_layers(len(adapter.list_layers(base)))
+    return [p for i in selected for p in adapter.ignore_value_patterns(i)]
+
+
+__all__ = [
+    "PrimalBertSelfAttention",
+    "PrimalViTAttention",
+    "PrimalGPT2Attention",
+    "apply_primal_attention",
+    "init_primal_core",
+    "primal_layers",
+    "valid_tokens",
+    "run_primal",
+]

@@ -1,0 +1,97 @@
+"""How `import hf_primal` attaches primal layers to transformers models.
+
+Three hooks, installed once, each a no-op for models whose config does not ask for primal attention:
+
+* ``PreTrainedConfig.primal_attention = None`` (class attribute) so ``from_pretrained(...,
+  primal_attention=...)`` routes the kwarg into the config instead of the model's ``__init__``; the value
+  is validated and stored as a plain JSON dict when the config is created, when a model is built from it
+  and when it is serialised (configs are strict dataclasses whose ``__setattr__`` cannot be wrapped);
+* ``PreTrainedModel.post_init`` converts the selected layers *before* transformers initialises and loads
+  weights, so the loader reports exactly the new primal tensors as missing and fills the q/k/out ones;
+* ``PreTrainedModel._init_weights`` initialises the new primal parameters (method spec §5).
+
+Nothing global changes behaviour: a model without ``config.primal_attention`` runs stock code.
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedConfig, PreTrainedModel
+
+from .config import PrimalAttentionConfig
+from .modeling_primal import apply_primal_attention, init_primal_core
+
+_INSTALLED = False
+
+
+def _check_primal_shapes(model, load_config, loading_info) -> None:
+    """A checkpoint saved with other primal settings than requested gets a ValueError, not a silent re-init."""
+    if getattr(load_config, "ignore_mismatched_sizes", False):
+        return
+    clashes = [entry for entry in loading_info.mismatched_keys if ".primal." in entry[0]]
+    if not clashes:
+        return
+    details = "; ".join(f"{key}: checkpoint {tuple(saved)} vs requested {tuple(wanted)}" for key, saved, wanted in sorted(clashes, key=str))
+    raise ValueError(
+        f"The checkpoint {load_config.pretrained_model_name_or_path!r} holds primal parameters whose shapes disagree "
+        f"with the requested primal_attention={model.config.primal_attention} ({details}). Load it without a "
+        "primal_attention override (its config.json already has the settings it was saved with), or pass "
+        "ignore_mismatched_sizes=True to re-initialise those tensors."
+    )
+
+
+def _normalise(config) -> None:
+    value = config.__dict__.get("primal_attention")
+    if value is not None:
+        config.__dict__["primal_attention"] = PrimalAttentionConfig.coerce(value).to_dict()
+
+
+def install_hooks() -> None:
+    """Install the construction-time hooks (idempotent; `import hf_primal` calls it)."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+
+    original_config_post_init = PreTrainedConfig.__post_init__
+
+    def __post_init__(self, *args, **kwargs):
+        original_config_post_init(self, *args, **kwargs)
+        _normalise(self)
+
+    original_to_dict = PreTrainedConfig.to_dict
+
+    def to_dict(self):
+        _normalise(self)
+        return original_to_dict(self)
+
+    original_post_init = PreTrainedModel.post_init
+
+    def post_init(self):
+        wants_primal = getattr(self.config, "primal_attention", None) is not None
+        if wants_primal:
+            _normalise(self.config)
+        ignore = apply_primal_attention(self) if wants_primal else []
+        original_post_init(self)
+        if ignore:
+            # Value projections of primal layers are gone on purpose: keep them out of the load report.
+            self._keys_to_ignore_on_load_unexpected = set(self._keys_to_ignore_on_load_unexpected or ()) | set(ignore)
+
+    original_init_weights = PreTrainedModel._init_weights
+
+    def _init_weights(self, module):
+        original_init_weights(self, module)
+        if getattr(module, "_is_primal_core", False):
+            init_primal_core(module)
+
+    original_finalize = PreTrainedModel._finalize_model_loading
+
+    def _finalize_model_loading(model, load_config, loading_info):
+        _check_primal_shapes(model, load_config, loading_info)
+        return original_finalize(model, load_config, loading_info)
+
+    PreTrainedModel._finalize_model_loading = staticmethod(_finalize_model_loading)
+    PreTrainedConfig.primal_attention = None
+    PreTrainedConfig.__post_init__ = __post_init__
+    PreTrainedConfig.to_dict = to_dict
+    PreTrainedModel.post_init = post_init
+    PreTrainedModel._init_weights = _init_weights
+    _INSTALLED = True
