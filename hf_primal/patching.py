@@ -32,7 +32,7 @@ def _check_primal_shapes(model, load_config, loading_info) -> None:
         return
     details = "; ".join(f"{key}: checkpoint {tuple(saved)} vs requested {tuple(wanted)}" for key, saved, wanted in sorted(clashes, key=str))
     raise ValueError(
-        f"The checkpoint {load_config.pretrained_model_name_or_path!r} holds primal parameters whose shapes disagree "
+        f"The checkpoint {str(load_config.pretrained_model_name_or_path)!r} holds primal parameters whose shapes disagree "
         f"with the requested primal_attention={model.config.primal_attention} ({details}). Load it without a "
         "primal_attention override (its config.json already has the settings it was saved with), or pass "
         "ignore_mismatched_sizes=True to re-initialise those tensors."

@@ -1,0 +1,82 @@
+"""Independent, loop-by-loop re-computation of the method spec (§2 non-causal, §3 causal, §4 loss).
+
+Deliberately naive (Python loops over sequences, heads and positions) so that it shares no code and no
+vectorisation tricks with hf_primal.primal.
+"""
+
+import torch
+
+
+def _normalize(v):
+    return v / max(float(v.norm()), 1e-12)
+
+
+@torch.no_grad()
+def reference_noncausal(x, q, k, valid, We, Wr, head_map_w, head_map_b):
+    """x (B,N,C), q/k (B,H,N,d), valid (B,N) bool, We/Wr (H,p,s) -> y (B,H,N,d), e, r."""
+    B, H, N, d = q.shape
+    p, s = We.shape[1], We.shape[2]
+    y = torch.zeros(B, H, N, d, dtype=torch.float64)
+    e_all = torch.zeros(B, H, N, s, dtype=torch.float64)
+    r_all = torch.zeros(B, H, N, s, dtype=torch.float64)
+    for b in range(B):
+        positions = [n for n in range(N) if bool(valid[b, n])]
+        L = len(positions)
+        if L == 0:
+            continue
+        idx = [positions[(j * (L - 1)) // (p - 1)] if p > 1 else positions[0] for j in range(p)]
+        for h in range(H):
+            Xs = torch.stack([x[b, i, h * d:(h + 1) * d] for i in idx]).double()  # (p, d)
+            WeX = Xs.T @ We[h].double()  # (d, s)
+            WrX = Xs.T @ Wr[h].double()
+            for n in positions:
+                e = _normalize(q[b, h, n].double()) @ WeX
+                r = _normalize(k[b, h, n].double()) @ WrX
+                e_all[b, h, n], r_all[b, h, n] = e, r
+                y[b, h, n] = torch.cat([e, r]) @ head_map_w.double().T + head_map_b.double()
+    return y, e_all, r_all
+
+
+@torch.no_grad()
+def reference_causal(q, k, valid, We, Wr, head_map_w, head_map_b):
+    """q/k (B,H,N,d), valid (B,N), We/Wr (H,d,s) -> y (B,H,N,d), e, r."""
+    B, H, N, d = q.shape
+    s = We.shape[2]
+    y = torch.zeros(B, H, N, d, dtype=torch.float64)
+    e_all = torch.zeros(B, H, N, s, dtype=torch.float64)
+    r_all = torch.zeros(B, H, N, s, dtype=torch.float64)
+    for b in range(B):
+        for h in range(H):
+            for n in range(N):
+                if not bool(valid[b, n]):
+                    continue
+                seen = [j for j in range(n + 1) if bool(valid[b, j])]
+                q_mean = torch.stack([q[b, h, j].double() for j in seen]).mean(0)
+                k_mean = torch.stack([k[b, h, j].double() for j in seen]).mean(0)
+                e = _normalize(q_mean) @ We[h].double()
+                r = _normalize(k_mean) @ Wr[h].double()
+                e_all[b, h, n], r_all[b, h, n] = e, r
+                y[b, h, n] = torch.cat([e, r]) @ head_map_w.double().T + head_map_b.double()
+    return y, e_all, r_all
+
+
+@torch.no_grad()
+def reference_layer_J(e, r, valid, Lambda, We, Wr):
+    """Per-sequence and batch J of one layer (method spec §4, code semantics)."""
+    B, H, N, s = e.shape
+    lam = Lambda.double()
+    trace = sum(float(torch.trace(We[h].double().T @ Wr[h].double())) for h in range(H)) / H
+    per_seq = []
+    tot_e = tot_r = tot_n = 0.0
+    for b in range(B):
+        se = sr = 0.0
+        n_valid = 0
+        for h in range(H):
+            for n in range(N):
+                if bool(valid[b, n]):
+                    se += 0.5 * float(((lam[h] * e[b, h, n]) ** 2).sum())
+                    sr += 0.5 * float(((lam[h] * r[b, h, n]) ** 2).sum())
+                    n_valid += 1
+        per_seq.append(se / n_valid + sr / n_valid - trace)
+        tot_e, tot_r, tot_n = tot_e + se, tot_r + sr, tot_n + n_valid
+    return per_seq, tot_e / tot_n + tot_r / tot_n - trace
