@@ -8,6 +8,7 @@
 """
 
 from .config import PrimalAttentionConfig
+from .loss import clear_ksvd_terms, ksvd_loss
 from .modeling_primal import SUPPORTED_ARCHITECTURES, apply_primal_attention, primal_layers
 from .patching import install_hooks
 from .primal import KSVDTerms, PrimalCore
@@ -23,4 +24,6 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "apply_primal_attention",
     "primal_layers",
+    "ksvd_loss",
+    "clear_ksvd_terms",
 ]
