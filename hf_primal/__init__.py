@@ -12,6 +12,7 @@ from .loss import clear_ksvd_terms, ksvd_loss
 from .modeling_primal import SUPPORTED_ARCHITECTURES, apply_primal_attention, primal_layers
 from .patching import install_hooks
 from .primal import KSVDTerms, PrimalCore
+from .trainer import PrimalTrainer
 
 install_hooks()
 
@@ -26,4 +27,5 @@ __all__ = [
     "primal_layers",
     "ksvd_loss",
     "clear_ksvd_terms",
+    "PrimalTrainer",
 ]

@@ -1,0 +1,148 @@
+"""`PrimalTrainer`: `transformers.Trainer` plus eta * KSVD loss (method spec §1, §4)."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from transformers import Trainer
+
+from .loss import REDUCTIONS, clear_ksvd_terms, collect_ksvd_terms, ksvd_from_terms
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    # DDP / compile / PEFT wrappers all expose the HF model somewhere below; the first module with a
+    # `config.primal_attention` is the one whose settings apply.
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and getattr(config, "primal_attention", None) is not None:
+            return module
+    return model
+
+
+def _loss_uses_num_items(model: nn.Module) -> bool:
+    """Whether the head's loss honours `num_items_in_batch` (transformers' `self.loss_function`).
+
+    Heads such as BertForSequenceClassification accept **kwargs (so Trainer believes their loss is already
+    normalised over the accumulated batch) yet compute a plain per-batch mean; gradient accumulation then
+    over-weights them by the number of accumulation steps.
+    """
+    try:
+        source = inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        return True
+    return "loss_function" in source
+
+
+class PrimalTrainer(Trainer):
+    """A `Trainer` that adds ``eta * ksvd_loss(model)`` to the task loss of models with primal layers.
+
+    Args:
+        ksvd_weight: eta; defaults to the model's ``primal_attention["eta"]``. ``0`` keeps the term in the graph
+            (zero gradients) so that distributed training sees every parameter used.
+        ksvd_reduction: ``"sequence"`` or ``"batch"``; defaults to the model's ``primal_attention["ksvd_reduction"]``.
+        All other arguments are those of `transformers.Trainer`.
+
+    Logs ``ksvd_loss`` and ``task_loss`` at every logging step (so they reach ``state.log_history``, the progress
+    bar and reporters such as TensorBoard) and ``eval_ksvd_loss`` at evaluation.
+    """
+
+    def __init__(self, *args: Any, ksvd_weight: Optional[float] = None, ksvd_reduction: Optional[str] = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        inner = _unwrap(self.model)
+        spec = getattr(getattr(inner, "config", None), "primal_attention", None)
+        if spec is None:
+            raise ValueError(
+                f"PrimalTrainer needs a model with primal attention layers; {type(inner).__name__} has no "
+                "config.primal_attention. Build or load it with primal_attention=... first."
+            )
+        eta = spec.get("eta", 0.1) if ksvd_weight is None else ksvd_weight
+        if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not (0 <= eta < float("inf")):
+            raise ValueError(f"PrimalTrainer: ksvd_weight={eta!r} is not allowed: it must be a finite number >= 0.")
+        self.ksvd_weight = float(eta)
+        self.ksvd_reduction = ksvd_reduction or spec.get("ksvd_reduction", "sequence")
+        if self.ksvd_reduction not in REDUCTIONS:
+            raise ValueError(
+                f"PrimalTrainer: ksvd_reduction={self.ksvd_reduction!r} is not allowed: use one of {list(REDUCTIONS)}."
+            )
+        gc_kwargs = self.args.gradient_checkpointing_kwargs or {}
+        if self.args.gradient_checkpointing and gc_kwargs.get("use_reentrant", False):
+            raise ValueError(
+                "PrimalTrainer: gradient_checkpointing_kwargs={'use_reentrant': True} is not supported: reentrant "
+                "checkpointing runs the forward under no_grad, so the KSVD term would silently get no gradient. "
+                "Use the default non-reentrant checkpointing."
+            )
+        base = inner.base_model.model if hasattr(inner, "base_model") and hasattr(inner.base_model, "model") else inner
+        if self.loss_is_scaled_for_ga is None and not _loss_uses_num_items(base):
+            self.model_accepts_loss_kwargs = False
+        self._ksvd_sum = torch.zeros((), dtype=torch.float64)
+        self._task_sum = torch.zeros((), dtype=torch.float64)
+        self._micro_batches = 0
+        self._eval_ksvd: list[torch.Tensor] = []
+
+    # ------------------------------------------------------------------ loss
+    def _loss_is_scaled(self, num_items_in_batch) -> bool:
+        if self.loss_is_scaled_for_ga is not None:
+            return bool(self.loss_is_scaled_for_ga)
+        return bool((self.model_accepts_loss_kwargs and num_items_in_batch is not None) or self.compute_loss_func is not None)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        task_loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        if not model.training:
+            return (task_loss, outputs) if return_outputs else task_loss
+        ksvd = ksvd_from_terms(collect_ksvd_terms(model), self.ksvd_reduction)
+        if self.ksvd_weight > 0 and not ksvd.requires_grad and torch.is_grad_enabled() and task_loss.requires_grad:
+            raise RuntimeError(
+                "PrimalTrainer: the KSVD term has no gradient although the task loss has one (was the forward run "
+                "under reentrant gradient checkpointing or no_grad?); refusing to train without the regulariser."
+            )
+        clear_ksvd_terms(model)
+        # Trainer divides the returned loss by the accumulation steps unless it believes the loss is already
+        # normalised over the accumulated batch; the KSVD term is a per-micro-batch mean, so scale it to match.
+        scaled = self._loss_is_scaled(num_items_in_batch)
+        steps = max(int(getattr(self, "current_gradient_accumulation_steps", 1) or 1), 1)
+        factor = 1.0 / steps if scaled else 1.0
+        loss = task_loss + (self.ksvd_weight * factor) * ksvd.to(task_loss.dtype)
+        self._ksvd_sum += ksvd.detach().double().cpu()
+        # What this micro-batch adds to the optimizer step's task loss, in the units Trainer logs "loss" in.
+        self._task_sum += (task_loss.detach().double() * (1.0 if scaled else 1.0 / steps)).cpu()
+        self._micro_batches += 1
+        return (loss, outputs) if return_outputs else loss
+
+    # ------------------------------------------------------------------ evaluation
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        result = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        terms = [getattr(m, "ksvd_terms", None) for m in model.modules() if getattr(m, "_is_primal_attention", False)]
+        if terms and all(t is not None for t in terms):
+            self._eval_ksvd.append(ksvd_from_terms(terms, self.ksvd_reduction).detach().float())
+            clear_ksvd_terms(model)
+        return result
+
+    def evaluation_loop(self, *args, **kwargs):
+        self._eval_ksvd = []
+        output = super().evaluation_loop(*args, **kwargs)
+        prefix = kwargs.get("metric_key_prefix", args[4] if len(args) > 4 else "eval")
+        local = torch.stack(self._eval_ksvd).mean() if self._eval_ksvd else torch.tensor(float("nan"))
+        value = self.accelerator.gather(local.to(self.args.device).reshape(1)).nanmean().item()
+        if value == value:  # not NaN: at least one process saw primal layers run
+            output.metrics[f"{prefix}_ksvd_loss"] = value
+        self._eval_ksvd = []
+        return output
+
+    # ------------------------------------------------------------------ logging
+    def log(self, logs: dict[str, float], start_time: Optional[float] = None) -> None:
+        if "loss" in logs and self._micro_batches > 0:
+            steps = max(int(getattr(self, "current_gradient_accumulation_steps", 1) or 1), 1)
+            local = torch.stack([
+                self._ksvd_sum / self._micro_batches,
+                self._task_sum / (self._micro_batches / steps),
+            ]).to(self.args.device, torch.float32)
+            gathered = self.accelerator.gather(local[None]).mean(dim=0)
+            logs["ksvd_loss"] = round(float(gathered[0]), 6)
+            logs["task_loss"] = round(float(gathered[1]), 6)
+            self._ksvd_sum.zero_()
+            self._task_sum.zero_()
+            self._micro_batches = 0
+        super().log(logs, start_time)
