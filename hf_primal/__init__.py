@@ -8,6 +8,7 @@
 """
 
 from .config import PrimalAttentionConfig
+from .lora import lora_config
 from .loss import clear_ksvd_terms, ksvd_loss
 from .modeling_primal import SUPPORTED_ARCHITECTURES, apply_primal_attention, primal_layers
 from .patching import install_hooks
@@ -28,4 +29,5 @@ __all__ = [
     "ksvd_loss",
     "clear_ksvd_terms",
     "PrimalTrainer",
+    "lora_config",
 ]

@@ -67,10 +67,15 @@ class PrimalTrainer(Trainer):
             raise ValueError(
                 f"PrimalTrainer: ksvd_reduction={self.ksvd_reduction!r} is not allowed: use one of {list(REDUCTIONS)}."
             )
-        gc_kwargs = self.args.gradient_checkpointing_kwargs or {}
-        if self.args.gradient_checkpointing and gc_kwargs.get("use_reentrant", False):
+        checkpointing = getattr(self.args, "activation_checkpointing", None) or getattr(self.args, "gradient_checkpointing", False)
+        gc_kwargs = (
+            getattr(self.args, "activation_checkpointing_kwargs", None)
+            or getattr(self.args, "gradient_checkpointing_kwargs", None)
+            or {}
+        )
+        if checkpointing and gc_kwargs.get("use_reentrant", False):
             raise ValueError(
-                "PrimalTrainer: gradient_checkpointing_kwargs={'use_reentrant': True} is not supported: reentrant "
+                "PrimalTrainer: activation (gradient) checkpointing with {'use_reentrant': True} is not supported: reentrant "
                 "checkpointing runs the forward under no_grad, so the KSVD term would silently get no gradient. "
                 "Use the default non-reentrant checkpointing."
             )
