@@ -35,6 +35,8 @@ def lora_config(model: nn.Module, r: int = 8, lora_alpha: int = 16, lora_dropout
     if "primal" not in modules_to_save:
         modules_to_save.append("primal")
     target_modules = kwargs.pop("target_modules", QK_TARGETS[adapter.name])
+    if adapter.name == "gpt2":
+        kwargs.setdefault("fan_in_fan_out", True)  # GPT-2 stores Conv1D weights transposed
     return LoraConfig(
         r=r,
         lora_alpha=lora_alpha,

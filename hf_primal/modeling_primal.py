@@ -83,7 +83,11 @@ def run_primal(
     else:
         y, terms, _ = core(q, k, x=x, valid=valid)
     module.ksvd_terms = terms
-    return y.transpose(1, 2).reshape(batch, length, heads * dim)
+    # Lambda enters only the KSVD loss. Tying a zero-valued copy of the terms to the output makes every primal
+    # parameter reachable from the forward's outputs, which DDP with find_unused_parameters=True (Trainer's
+    # default) needs; otherwise it marks Lambda unused and then fails when the loss's backward reaches it.
+    tie = (terms.e_sum.sum() + terms.r_sum.sum()).to(y.dtype) * 0.0
+    return y.transpose(1, 2).reshape(batch, length, heads * dim) + tie
 
 
 def _no_attention_matrix(q: torch.Tensor) -> torch.Tensor:

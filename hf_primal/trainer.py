@@ -82,6 +82,10 @@ class PrimalTrainer(Trainer):
         base = inner.base_model.model if hasattr(inner, "base_model") and hasattr(inner.base_model, "model") else inner
         if self.loss_is_scaled_for_ga is None and not _loss_uses_num_items(base):
             self.model_accepts_loss_kwargs = False
+        if self.args.ddp_find_unused_parameters is None:
+            # Every parameter gets a gradient each step (the KSVD term reaches Lambda even when eta == 0), so DDP
+            # need not search the graph for unused ones.
+            self.args.ddp_find_unused_parameters = False
         self._ksvd_sum = torch.zeros((), dtype=torch.float64)
         self._task_sum = torch.zeros((), dtype=torch.float64)
         self._micro_batches = 0
