@@ -15,6 +15,13 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, Encod
 from .primal import CausalState
 
 
+def _compact(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` itself if it owns exactly its storage, else a copy that does."""
+    if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
+        return tensor.clone(memory_format=torch.contiguous_format)
+    return tensor
+
+
 class PrimalCacheLayer(CacheLayerMixin):
     """Running q/k sums of one causal primal layer.
 
@@ -85,7 +92,9 @@ class PrimalCacheLayer(CacheLayerMixin):
 
     # -- primal interface -----------------------------------------------------------
     def write(self, state: CausalState, new_tokens: int) -> None:
-        self.state = state
+        # The state usually arrives as views into (B, H, L, d) prefix-sum buffers of the L new tokens; storing
+        # the views would keep those buffers alive, i.e. memory linear in the prompt length.
+        self.state = CausalState(*(_compact(t) for t in state))
         self.device = state.sum_q.device
         self.seen += int(new_tokens)
         self.is_initialized = True
@@ -93,6 +102,9 @@ class PrimalCacheLayer(CacheLayerMixin):
     def state_numel(self) -> int:
         """Number of elements the layer holds (independent of the context length)."""
         return 0 if self.state is None else sum(t.numel() for t in self.state)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(seen={self.seen}, numel={self.state_numel()})"
 
 
 def primal_cache_layer(cache: Cache, layer_idx: int) -> PrimalCacheLayer:
@@ -108,11 +120,17 @@ def primal_cache_layer(cache: Cache, layer_idx: int) -> PrimalCacheLayer:
         return layers[layer_idx]
     if layer_idx < len(layers):
         current = layers[layer_idx]
-        if type(current) is not DynamicLayer or current.is_initialized:
+        if type(current) is not DynamicLayer:
             raise ValueError(
                 f"Primal-Attention layer {layer_idx} cannot use a {type(cache).__name__} whose layer is a "
                 f"{type(current).__name__}: primal layers keep a constant-size running state. Use the default "
                 "`DynamicCache` (do not pass cache_implementation='static' / a StaticCache / a quantized cache)."
+            )
+        if current.is_initialized:
+            raise ValueError(
+                f"Primal-Attention layer {layer_idx} cannot use a {type(cache).__name__} whose layer is a "
+                f"{type(current).__name__} that already holds keys and values (was the cache filled by a model "
+                "without a primal layer there?). Primal layers keep running sums: start from a fresh cache."
             )
         layers[layer_idx] = PrimalCacheLayer()
         return layers[layer_idx]
@@ -121,3 +139,30 @@ def primal_cache_layer(cache: Cache, layer_idx: int) -> PrimalCacheLayer:
         layers.append(cache.layer_class_to_replicate() if cache.layer_class_to_replicate else DynamicLayer())
     layers.append(PrimalCacheLayer())
     return layers[layer_idx]
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _tensors(item)]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in _tensors(item)]
+    return []
+
+
+def cache_nbytes(cache: Cache) -> int:
+    """Bytes of memory held by the tensors of `cache`: keys/values of KV layers, running states of primal layers.
+
+    Walks the layers' attributes instead of assuming `keys`/`values`, so a hybrid model's cache is measured
+    the same way for both kinds of layer (and static caches count their preallocated buffers).
+    """
+    if isinstance(cache, EncoderDecoderCache):
+        return cache_nbytes(cache.self_attention_cache) + cache_nbytes(cache.cross_attention_cache)
+    storages: dict[tuple, int] = {}
+    for layer in cache.layers:
+        for tensor in _tensors(vars(layer)):
+            # Count whole storages, once each: a view keeps its entire base buffer alive.
+            storage = tensor.untyped_storage()
+            storages[(tensor.device, storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values())

@@ -1,0 +1,378 @@
+"""Decode latency and memory of GPT-2 with Primal-Attention versus stock SDPA, as the context grows.
+
+Three variants of one GPT-2 shape (GPT-2-small by default: 12 layers, n_embd 768, 12 heads, random init):
+
+* ``all-primal``         ``primal_attention={"layers": "all"}`` - every layer keeps a constant-size state;
+* ``last-layer-primal``  ``primal_attention={"layers": [-1]}``  - 11 KV-cache layers + 1 primal layer;
+* ``stock-sdpa``         plain ``GPT2LMHeadModel`` with SDPA attention and the usual KV cache.
+
+For every (context, variant) pair a fresh worker process (forked from this one, so the imports are
+shared and not re-paid) builds the model, prefills a random prompt of ``context`` tokens into a
+``DynamicCache`` and then decodes ``--new-tokens`` tokens one at a time (batch 1, ``torch.no_grad``,
+greedy token fed back), exactly like ``generate`` does after its prefill. Reported per pair:
+
+* ``latency_ms``: per-token decode latency, the median over ``--repeats`` passes of (pass time / new
+  tokens). Each pass restarts from the same post-prefill cache (a shallow copy: cache layers replace
+  their tensors on update, so the prefilled tensors are never modified); one extra warm-up pass is not
+  recorded;
+* ``cache_bytes``: bytes of every tensor the cache object holds right after the prefill
+  (`hf_primal.cache.cache_nbytes`: keys/values of KV layers, running sums of primal layers);
+* ``peak_rss_mb``: the worker's peak resident set size over its whole life (model build, prefill and
+  decoding), from ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` after resetting the high-water mark
+  when the worker starts (``/proc/self/clear_refs``, Linux); it includes the already-imported libraries
+  and the model weights, identical for all variants;
+* ``decode_peak_rss_mb``: the same high-water mark, reset again right before a last decoding pass that
+  runs on the prefilled cache in place (no snapshot kept), i.e. the process's peak memory while
+  generating; ``model_rss_mb`` is the RSS right after building the model, for reference.
+
+Outputs: a table on stdout (absolute numbers and ratios to stock SDPA at the same context), a CSV and a
+PNG plot in ``--out-dir``. Latencies depend on the machine and its load; run on an idle machine.
+
+    python scripts/benchmark_generation.py                      # full run (~5-10 min on 2 CPU cores)
+    python scripts/benchmark_generation.py --quick --out-dir /tmp/bench   # tiny model, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import ctypes
+import gc
+import multiprocessing
+import os
+import resource
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
+
+import hf_primal  # noqa: F401  (lets GPT2Config take `primal_attention`)
+from hf_primal.cache import cache_nbytes
+
+VARIANTS: dict[str, Optional[dict]] = {
+    "all-primal": {"layers": "all"},
+    "last-layer-primal": {"layers": [-1]},
+    "stock-sdpa": None,
+}
+BASELINE = "stock-sdpa"
+CSV_NAME = "generation_benchmark.csv"
+PNG_NAME = "generation_benchmark.png"
+
+
+@dataclass(frozen=True)
+class Shape:
+    n_layer: int
+    n_embd: int
+    n_head: int
+    vocab_size: int
+    n_positions: int
+
+
+GPT2_SMALL = Shape(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=4608)
+TINY = Shape(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=128)
+
+
+# ----------------------------------------------------------------------------------------- memory probes
+def _reset_peak_rss() -> bool:
+    """Restart the kernel's RSS high-water mark at the current RSS (Linux >= 4.0); False if unsupported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss_mb() -> float:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes on macOS, KiB elsewhere
+
+
+def _rss_mb() -> float:
+    try:
+        with open("/proc/self/statm") as handle:
+            pages = int(handle.read().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError):
+        return float("nan")
+
+
+def _release_free_memory() -> None:
+    # glibc keeps freed prefill buffers mapped; hand them back so that they do not count as decode memory.
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+# ----------------------------------------------------------------------------------------- one measurement
+def build_model(variant: str, shape: Shape, seed: int) -> GPT2LMHeadModel:
+    """Randomly initialised GPT-2 of `shape`; `variant` picks which layers (if any) are primal."""
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        n_layer=shape.n_layer,
+        n_embd=shape.n_embd,
+        n_head=shape.n_head,
+        vocab_size=shape.vocab_size,
+        n_positions=shape.n_positions,
+        bos_token_id=shape.vocab_size - 1,  # GPT-2's <|endoftext|> id, kept inside smaller test vocabularies
+        eos_token_id=shape.vocab_size - 1,
+        primal_attention=VARIANTS[variant],
+    )
+    config._attn_implementation = "sdpa"  # canonical layers of every variant run SDPA, like stock
+    return GPT2LMHeadModel(config).eval()
+
+
+def _branch(cache: DynamicCache) -> DynamicCache:
+    """A cache that starts from `cache`'s contents without copying them.
+
+    DynamicLayer and PrimalCacheLayer replace their tensors on every update instead of writing into them,
+    so shallow copies of the layers can be decoded from while the original stays at the prefill state.
+    """
+    branch = DynamicCache.__new__(DynamicCache)
+    branch.__dict__.update(cache.__dict__)
+    branch.layers = [layer.__class__.__new__(layer.__class__) for layer in cache.layers]
+    for new, old in zip(branch.layers, cache.layers):
+        new.__dict__.update(old.__dict__)
+    return branch
+
+
+def _decode(model: GPT2LMHeadModel, cache: DynamicCache, token: torch.Tensor, steps: int) -> float:
+    start = time.perf_counter()
+    for _ in range(steps):
+        logits = model(token, cache=cache, use_cache=True).logits
+        token = logits[:, -1].argmax(-1, keepdim=True)
+    return time.perf_counter() - start
+
+
+def measure(variant: str, context: int, shape: Shape, new_tokens: int, repeats: int, threads: int, seed: int) -> dict:
+    """Everything reported for one (variant, context) pair; meant to run in its own process."""
+    hwm_reset = _reset_peak_rss()
+    torch.set_num_threads(threads)
+    model = build_model(variant, shape, seed)
+    model_rss = _rss_mb()
+    generator = torch.Generator().manual_seed(seed + context)
+    prompt = torch.randint(0, shape.vocab_size, (1, context), generator=generator)
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        start = time.perf_counter()
+        # Only the last position's logits are needed, as in generate(); a full (context, vocab) logits
+        # tensor would dominate the prefill memory of every variant alike.
+        logits = model(prompt, cache=cache, use_cache=True, logits_to_keep=1).logits
+        prefill_s = time.perf_counter() - start
+        first = logits[:, -1].argmax(-1, keepdim=True)
+        del logits
+        nbytes = cache_nbytes(cache)
+
+        per_token = []
+        for attempt in range(repeats + 1):  # attempt 0 warms up kernels and the allocator
+            branch = _branch(cache)
+            elapsed = _decode(model, branch, first, new_tokens)
+            if attempt:
+                per_token.append(elapsed / new_tokens)
+            del branch
+        if cache.get_seq_length() != context:
+            raise RuntimeError("decoding from a branch modified the prefilled cache; latencies would be wrong")
+        peak_rss = _peak_rss_mb()
+
+        _release_free_memory()
+        hwm_reset = _reset_peak_rss() and hwm_reset
+        _decode(model, cache, first, new_tokens)
+        decode_peak_rss = _peak_rss_mb()
+    return {
+        "variant": variant,
+        "context": context,
+        "new_tokens": new_tokens,
+        "repeats": repeats,
+        "threads": threads,
+        "latency_ms": 1e3 * statistics.median(per_token),
+        "latency_ms_min": 1e3 * min(per_token),
+        "latency_ms_max": 1e3 * max(per_token),
+        "prefill_s": prefill_s,
+        "cache_bytes": nbytes,
+        "model_rss_mb": model_rss,
+        "peak_rss_mb": max(peak_rss, decode_peak_rss),
+        "decode_peak_rss_mb": decode_peak_rss,
+        "rss_high_water_reset": hwm_reset,
+    }
+
+
+def _child(conn, fn: Callable, args: tuple) -> None:
+    try:
+        conn.send(("ok", fn(*args)))
+    except BaseException:  # report any failure to the parent instead of dying silently
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def run_isolated(fn: Callable, *args: Any) -> Any:
+    """Run `fn(*args)` in a forked child so that its peak memory is its own and nothing leaks between runs."""
+    ctx = multiprocessing.get_context("fork")
+    receiver, sender = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(sender, fn, args))
+    proc.start()
+    sender.close()
+    try:
+        status, payload = receiver.recv()
+    except EOFError:
+        proc.join()
+        raise RuntimeError(f"benchmark worker died with exit code {proc.exitcode} (out of memory?)") from None
+    proc.join()
+    if status != "ok":
+        raise RuntimeError(f"benchmark worker failed:\n{payload}")
+    return payload
+
+
+# ----------------------------------------------------------------------------------------- reporting
+def add_ratios(rows: list[dict]) -> None:
+    """Ratios of each row to the stock-SDPA row at the same context (1.0 for stock itself)."""
+    base = {row["context"]: row for row in rows if row["variant"] == BASELINE}
+    for row in rows:
+        ref = base.get(row["context"])
+        for key in ("latency_ms", "cache_bytes", "peak_rss_mb", "decode_peak_rss_mb"):
+            row[f"{key}_vs_stock"] = row[key] / ref[key] if ref and ref[key] else float("nan")
+
+
+def format_table(rows: list[dict]) -> str:
+    header = (
+        f"{'variant':<18} {'context':>7} {'ms/token':>9} {'x stock':>8} {'cache MB':>10} {'x stock':>8} "
+        f"{'peak RSS MB':>11} {'decode peak MB':>14} {'x stock':>8} {'prefill s':>9}"
+    )
+    lines = [header, "-" * len(header)]
+    for row in sorted(rows, key=lambda r: (list(VARIANTS).index(r["variant"]), r["context"])):
+        lines.append(
+            f"{row['variant']:<18} {row['context']:>7} {row['latency_ms']:>9.2f} {row['latency_ms_vs_stock']:>8.2f} "
+            f"{row['cache_bytes'] / 2**20:>10.3f} {row['cache_bytes_vs_stock']:>8.4f} {row['peak_rss_mb']:>11.0f} "
+            f"{row['decode_peak_rss_mb']:>14.0f} {row['decode_peak_rss_mb_vs_stock']:>8.3f} {row['prefill_s']:>9.2f}"
+        )
+    return "\n".join(lines)
+
+
+def growth_summary(rows: list[dict]) -> str:
+    """Per-token latency at the longest context over the shortest, per variant."""
+    lines = []
+    for variant in VARIANTS:
+        mine = sorted((r for r in rows if r["variant"] == variant), key=lambda r: r["context"])
+        if len(mine) >= 2:
+            lo, hi = mine[0], mine[-1]
+            lines.append(
+                f"{variant}: {hi['latency_ms'] / lo['latency_ms']:.2f}x per-token latency from context "
+                f"{lo['context']} to {hi['context']}; cache {hi['cache_bytes'] / lo['cache_bytes']:.1f}x"
+            )
+    return "\n".join(lines)
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = (
+        ("latency_ms", "per-token decode latency (ms)", False),
+        ("cache_bytes", "cache size after prefill (MiB)", True),
+        ("decode_peak_rss_mb", "peak RSS (MiB): decoding (solid), whole run (dashed)", False),
+    )
+    fig, axes = plt.subplots(1, len(panels), figsize=(15, 4.2))
+    for ax, (key, label, log) in zip(axes, panels):
+        for variant in VARIANTS:
+            mine = sorted((r for r in rows if r["variant"] == variant), key=lambda r: r["context"])
+            xs = [r["context"] for r in mine]
+            ys = [r[key] / 2**20 if key == "cache_bytes" else r[key] for r in mine]
+            line = ax.plot(xs, ys, marker="o", label=variant)[0]
+            if key == "decode_peak_rss_mb":  # the whole-run peak includes the prefill activations
+                ax.plot(xs, [r["peak_rss_mb"] for r in mine], linestyle="--", color=line.get_color())
+        ax.set_xscale("log", base=2)
+        if log:
+            ax.set_yscale("log")
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------- entry point
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--contexts", type=str, default=None, help="comma-separated prompt lengths (default 128,...,4096)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="tokens decoded per timed pass (default 16)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed passes per configuration (default 5)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads in each worker (default 1)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--quick", action="store_true", help="tiny 2-layer model and short contexts (for tests)")
+    args = parser.parse_args(argv)
+    default_contexts = "16,32,64" if args.quick else "128,256,512,1024,2048,4096"
+    args.contexts = sorted({int(c) for c in (args.contexts or default_contexts).split(",")})
+    args.new_tokens = args.new_tokens or (3 if args.quick else 16)
+    args.repeats = args.repeats or (2 if args.quick else 5)
+    if min(args.contexts) < 1 or args.new_tokens < 1 or args.repeats < 1 or args.threads < 1:
+        parser.error("contexts, --new-tokens, --repeats and --threads must be positive")
+    base = TINY if args.quick else GPT2_SMALL
+    # Positions must cover the prompt plus every decoded token; GPT-2 has learned absolute positions.
+    needed = max(args.contexts) + args.new_tokens
+    args.shape = Shape(base.n_layer, base.n_embd, base.n_head, base.vocab_size, max(base.n_positions, needed))
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> list[dict]:
+    args = parse_args(argv)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    shape = args.shape
+    print(
+        f"GPT-2 n_layer={shape.n_layer} n_embd={shape.n_embd} n_head={shape.n_head} vocab={shape.vocab_size} "
+        f"n_positions={shape.n_positions}; contexts {args.contexts}; {args.new_tokens} new tokens x "
+        f"{args.repeats} repeats; {args.threads} thread(s); torch {torch.__version__}",
+        flush=True,
+    )
+    rows = []
+    started = time.perf_counter()
+    # Variants alternate inside each context so that drifting machine load hits them alike.
+    for context in args.contexts:
+        for variant in VARIANTS:
+            row = run_isolated(
+                measure, variant, context, shape, args.new_tokens, args.repeats, args.threads, args.seed
+            )
+            rows.append(row)
+            print(
+                f"  {variant:<18} context {context:>5}: {row['latency_ms']:8.2f} ms/token, "
+                f"cache {row['cache_bytes'] / 2**20:9.3f} MiB, decode peak RSS {row['decode_peak_rss_mb']:7.0f} MiB",
+                flush=True,
+            )
+    add_ratios(rows)
+    print()
+    print(format_table(rows))
+    print()
+    print(growth_summary(rows))
+    csv_path, png_path = args.out_dir / CSV_NAME, args.out_dir / PNG_NAME
+    write_csv(rows, csv_path)
+    title = (
+        f"GPT-2 decode, batch 1, CPU {args.threads} thread(s): {shape.n_layer} layers, n_embd {shape.n_embd}, "
+        f"{shape.n_head} heads (median of {args.repeats} x {args.new_tokens} tokens)"
+    )
+    plot(rows, png_path, title)
+    print(f"\nwrote {csv_path} and {png_path} in {time.perf_counter() - started:.0f} s")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
