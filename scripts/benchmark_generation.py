@@ -6,29 +6,34 @@ Three variants of one GPT-2 shape (GPT-2-small by default: 12 layers, n_embd 768
 * ``last-layer-primal``  ``primal_attention={"layers": [-1]}``  - 11 KV-cache layers + 1 primal layer;
 * ``stock-sdpa``         plain ``GPT2LMHeadModel`` with SDPA attention and the usual KV cache.
 
-For every (context, variant) pair a fresh worker process (forked from this one, so the imports are
-shared and not re-paid) builds the model, prefills a random prompt of ``context`` tokens into a
-``DynamicCache`` and then decodes ``--new-tokens`` tokens one at a time (batch 1, ``torch.no_grad``,
-greedy token fed back), exactly like ``generate`` does after its prefill. Reported per pair:
+Every measurement prefills a random prompt of ``context`` tokens into a ``DynamicCache`` (last-position
+logits only, as ``generate`` does) and then decodes ``--new-tokens`` tokens with single-token forwards on
+that cache (batch 1, ``torch.no_grad``, greedy token fed back). Work runs in worker processes forked from
+this one (imports are shared, not re-paid; the parent does no torch work before forking). Two phases:
 
-* ``latency_ms``: per-token decode latency, the median over ``--repeats`` passes of (pass time / new
-  tokens). Each pass restarts from the same post-prefill cache (a shallow copy: cache layers replace
-  their tensors on update, so the prefilled tensors are never modified); one extra warm-up pass is not
-  recorded;
-* ``cache_bytes``: bytes of every tensor the cache object holds right after the prefill
-  (`hf_primal.cache.cache_nbytes`: keys/values of KV layers, running sums of primal layers);
-* ``peak_rss_mb``: the worker's peak resident set size over its whole life (model build, prefill and
-  decoding), from ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` after resetting the high-water mark
-  when the worker starts (``/proc/self/clear_refs``, Linux); it includes the already-imported libraries
-  and the model weights, identical for all variants;
-* ``decode_peak_rss_mb``: the same high-water mark, reset again right before a last decoding pass that
-  runs on the prefilled cache in place (no snapshot kept), i.e. the process's peak memory while
-  generating; ``model_rss_mb`` is the RSS right after building the model, for reference.
+Memory - one fresh worker per (context, variant) pair, so that every peak is that pair's own:
+
+* ``cache_bytes``: bytes of the storage behind every tensor the cache object holds right after the
+  prefill (`hf_primal.cache.cache_nbytes`: keys/values of KV layers, running sums of primal layers);
+* ``peak_rss_mb``: the worker's peak resident set size over its whole life (model build, prefill,
+  decoding), from ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` after resetting the kernel's high-water
+  mark when the worker starts (``/proc/self/clear_refs``, Linux). It includes the imported libraries and
+  the model weights, alike for all variants (``model_rss_mb``: RSS right after building the model);
+* ``decode_peak_rss_mb``: the same high-water mark, reset again (after handing freed prefill buffers
+  back to the OS) right before decoding on the prefilled cache: the process's peak while generating;
+* ``prefill_s``: wall time of the prefill forward.
+
+Latency - one worker holding the three models and a prefilled cache for every pair:
+
+* ``latency_ms``: per-token decode latency, the median over ``--repeats`` rounds of (pass time / new
+  tokens); ``latency_ms_min`` / ``_max`` give the spread. Each round times one pass of every pair in a
+  fresh random order, after one unrecorded warm-up round. Every pass starts from the same post-prefill
+  cache through a shallow copy (cache layers replace their tensors on update, never write into them).
 
 Outputs: a table on stdout (absolute numbers and ratios to stock SDPA at the same context), a CSV and a
 PNG plot in ``--out-dir``. Latencies depend on the machine and its load; run on an idle machine.
 
-    python scripts/benchmark_generation.py                      # full run (~5-10 min on 2 CPU cores)
+    python scripts/benchmark_generation.py                      # full run (~6-9 min on 2 busy CPU cores)
     python scripts/benchmark_generation.py --quick --out-dir /tmp/bench   # tiny model, seconds
 """
 
@@ -40,6 +45,7 @@ import ctypes
 import gc
 import multiprocessing
 import os
+import random
 import resource
 import statistics
 import sys
@@ -152,49 +158,36 @@ def _decode(model: GPT2LMHeadModel, cache: DynamicCache, token: torch.Tensor, st
     return time.perf_counter() - start
 
 
-def measure(variant: str, context: int, shape: Shape, new_tokens: int, repeats: int, threads: int, seed: int) -> dict:
-    """Everything reported for one (variant, context) pair; meant to run in its own process."""
+def _prefill(model: GPT2LMHeadModel, prompt: torch.Tensor) -> tuple[DynamicCache, torch.Tensor, float]:
+    cache = DynamicCache(config=model.config)
+    start = time.perf_counter()
+    # Only the last position's logits are needed, as in generate(); a full (context, vocab) logits tensor
+    # would dominate the prefill memory of every variant alike.
+    logits = model(prompt, cache=cache, use_cache=True, logits_to_keep=1).logits
+    elapsed = time.perf_counter() - start
+    return cache, logits[:, -1].argmax(-1, keepdim=True), elapsed
+
+
+def _prompt(shape: Shape, context: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed + context)
+    return torch.randint(0, shape.vocab_size, (1, context), generator=generator)
+
+
+def measure_memory(variant: str, context: int, shape: Shape, new_tokens: int, threads: int, seed: int) -> dict:
+    """Cache bytes, prefill time and peak RSS of one (variant, context) pair; run it in its own process."""
     hwm_reset = _reset_peak_rss()
     torch.set_num_threads(threads)
     model = build_model(variant, shape, seed)
     model_rss = _rss_mb()
-    generator = torch.Generator().manual_seed(seed + context)
-    prompt = torch.randint(0, shape.vocab_size, (1, context), generator=generator)
     with torch.no_grad():
-        cache = DynamicCache(config=model.config)
-        start = time.perf_counter()
-        # Only the last position's logits are needed, as in generate(); a full (context, vocab) logits
-        # tensor would dominate the prefill memory of every variant alike.
-        logits = model(prompt, cache=cache, use_cache=True, logits_to_keep=1).logits
-        prefill_s = time.perf_counter() - start
-        first = logits[:, -1].argmax(-1, keepdim=True)
-        del logits
+        cache, first, prefill_s = _prefill(model, _prompt(shape, context, seed))
         nbytes = cache_nbytes(cache)
-
-        per_token = []
-        for attempt in range(repeats + 1):  # attempt 0 warms up kernels and the allocator
-            branch = _branch(cache)
-            elapsed = _decode(model, branch, first, new_tokens)
-            if attempt:
-                per_token.append(elapsed / new_tokens)
-            del branch
-        if cache.get_seq_length() != context:
-            raise RuntimeError("decoding from a branch modified the prefilled cache; latencies would be wrong")
         peak_rss = _peak_rss_mb()
-
         _release_free_memory()
         hwm_reset = _reset_peak_rss() and hwm_reset
         _decode(model, cache, first, new_tokens)
         decode_peak_rss = _peak_rss_mb()
     return {
-        "variant": variant,
-        "context": context,
-        "new_tokens": new_tokens,
-        "repeats": repeats,
-        "threads": threads,
-        "latency_ms": 1e3 * statistics.median(per_token),
-        "latency_ms_min": 1e3 * min(per_token),
-        "latency_ms_max": 1e3 * max(per_token),
         "prefill_s": prefill_s,
         "cache_bytes": nbytes,
         "model_rss_mb": model_rss,
@@ -202,6 +195,39 @@ def measure(variant: str, context: int, shape: Shape, new_tokens: int, repeats: 
         "decode_peak_rss_mb": decode_peak_rss,
         "rss_high_water_reset": hwm_reset,
     }
+
+
+def measure_latency(
+    contexts: list[int], shape: Shape, new_tokens: int, repeats: int, threads: int, seed: int
+) -> dict[tuple[str, int], list[float]]:
+    """Per-token decode seconds of every (variant, context) pair, `repeats` samples each.
+
+    All pairs live in one process and are timed round-robin, in a new shuffled order every round: a burst
+    of load from other processes then spoils one sample of a few pairs (which the median discards) instead
+    of every sample of whichever pair happened to be running.
+    """
+    torch.set_num_threads(threads)
+    models = {variant: build_model(variant, shape, seed) for variant in VARIANTS}
+    prefilled = {}
+    with torch.no_grad():
+        for context in contexts:
+            prompt = _prompt(shape, context, seed)
+            for variant, model in models.items():
+                cache, first, _ = _prefill(model, prompt)
+                prefilled[variant, context] = (cache, first)
+        samples: dict[tuple[str, int], list[float]] = {pair: [] for pair in prefilled}
+        order = list(prefilled)
+        for round_ in range(repeats + 1):  # round 0 warms up kernels and the allocator; not recorded
+            random.Random(seed + round_).shuffle(order)
+            for variant, context in order:
+                cache, first = prefilled[variant, context]
+                elapsed = _decode(models[variant], _branch(cache), first, new_tokens)
+                if round_:
+                    samples[variant, context].append(elapsed / new_tokens)
+        for (variant, context), (cache, _) in prefilled.items():
+            if cache.get_seq_length() != context:
+                raise RuntimeError("decoding from a branch modified a prefilled cache; latencies would be wrong")
+    return samples
 
 
 def _child(conn, fn: Callable, args: tuple) -> None:
@@ -314,8 +340,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", type=str, default=None, help="comma-separated prompt lengths (default 128,...,4096)")
-    parser.add_argument("--new-tokens", type=int, default=None, help="tokens decoded per timed pass (default 16)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed passes per configuration (default 5)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="tokens decoded per timed pass (default 8)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed passes per configuration (default 7)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads in each worker (default 1)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
@@ -323,8 +349,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     default_contexts = "16,32,64" if args.quick else "128,256,512,1024,2048,4096"
     args.contexts = sorted({int(c) for c in (args.contexts or default_contexts).split(",")})
-    args.new_tokens = args.new_tokens or (3 if args.quick else 16)
-    args.repeats = args.repeats or (2 if args.quick else 5)
+    args.new_tokens = args.new_tokens or (3 if args.quick else 8)
+    args.repeats = args.repeats or (2 if args.quick else 7)
     if min(args.contexts) < 1 or args.new_tokens < 1 or args.repeats < 1 or args.threads < 1:
         parser.error("contexts, --new-tokens, --repeats and --threads must be positive")
     base = TINY if args.quick else GPT2_SMALL
@@ -344,20 +370,29 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
         f"{args.repeats} repeats; {args.threads} thread(s); torch {torch.__version__}",
         flush=True,
     )
-    rows = []
     started = time.perf_counter()
-    # Variants alternate inside each context so that drifting machine load hits them alike.
+    rows = []
+    print("memory: one forked worker per (context, variant)", flush=True)
     for context in args.contexts:
         for variant in VARIANTS:
-            row = run_isolated(
-                measure, variant, context, shape, args.new_tokens, args.repeats, args.threads, args.seed
-            )
+            row = {"variant": variant, "context": context, "new_tokens": args.new_tokens, "repeats": args.repeats,
+                   "threads": args.threads}
+            row.update(run_isolated(measure_memory, variant, context, shape, args.new_tokens, args.threads, args.seed))
             rows.append(row)
             print(
-                f"  {variant:<18} context {context:>5}: {row['latency_ms']:8.2f} ms/token, "
-                f"cache {row['cache_bytes'] / 2**20:9.3f} MiB, decode peak RSS {row['decode_peak_rss_mb']:7.0f} MiB",
+                f"  {variant:<18} context {context:>5}: cache {row['cache_bytes'] / 2**20:9.3f} MiB, decode peak RSS "
+                f"{row['decode_peak_rss_mb']:7.0f} MiB, prefill {row['prefill_s']:6.2f} s",
                 flush=True,
             )
+    print(f"latency: one worker, {args.repeats} rounds over all pairs", flush=True)
+    samples = run_isolated(
+        measure_latency, args.contexts, shape, args.new_tokens, args.repeats, args.threads, args.seed
+    )
+    for row in rows:
+        mine = samples[row["variant"], row["context"]]
+        row["latency_ms"] = 1e3 * statistics.median(mine)
+        row["latency_ms_min"] = 1e3 * min(mine)
+        row["latency_ms_max"] = 1e3 * max(mine)
     add_ratios(rows)
     print()
     print(format_table(rows))
