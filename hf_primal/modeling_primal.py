@@ -350,3 +350,211 @@ __all__ = [
     "valid_tokens",
     "run_primal",
 ]
+
+
+# ---------------------------------------------------------------------------------------------- hub classes
+# Thin subclasses with their own model_type ("primal_bert", ...), used for checkpoints meant to be shared: their
+# config.json carries an auto_map to this file, so `AutoModel*.from_pretrained(folder, trust_remote_code=True)`
+# rebuilds the primal layers where hf_primal is not installed, and plain Auto loading without the plugin or
+# trust_remote_code fails loudly (unknown model type) instead of producing a stock model with missing weights.
+from transformers.models.bert import modeling_bert as _bert  # noqa: E402
+from transformers.models.bert.configuration_bert import BertConfig  # noqa: E402
+from transformers.models.gpt2 import modeling_gpt2 as _gpt2  # noqa: E402
+from transformers.models.gpt2.configuration_gpt2 import GPT2Config  # noqa: E402
+from transformers.models.vit import modeling_vit as _vit  # noqa: E402
+from transformers.models.vit.configuration_vit import ViTConfig  # noqa: E402
+
+
+class PrimalBertConfig(BertConfig):
+    model_type = "primal_bert"
+    primal_attention = None
+
+
+class PrimalViTConfig(ViTConfig):
+    model_type = "primal_vit"
+    primal_attention = None
+
+
+class PrimalGPT2Config(GPT2Config):
+    model_type = "primal_gpt2"
+    primal_attention = None
+
+
+def model_card(model) -> str:
+    """README.md for a shared primal checkpoint: what was converted, with what settings, and how to load it."""
+    spec = PrimalAttentionConfig.coerce(model.config.primal_attention)
+    layers = [name for name, m in model.named_modules() if getattr(m, "_is_primal_attention", False)]
+    base = getattr(model.config, "_name_or_path", "") or "unknown"
+    report = getattr(model, "primal_conversion_report", None) or {}
+    auto_map = getattr(model.config, "auto_map", None) or {}
+    auto = next((k for k in auto_map if k not in ("AutoConfig", "AutoModel")), "AutoModel")
+    lines = [
+        "---",
+        "library_name: transformers",
+        "tags:",
+        "- primal-attention",
+        "- hf_primal",
+        "---",
+        "",
+        f"# {type(model).__name__} (Primal-Attention)",
+        "",
+        "Self-attention in the layers below runs Primal-Attention (Chen et al., NeurIPS 2023: asymmetric kernel SVD in",
+        "the primal), converted with [hf_primal](https://pypi.org/project/hf-primal/).",
+        "",
+        f"- base model: `{base}`",
+        f"- primal layers ({len(layers)}): " + ", ".join(f"`{n}`" for n in layers),
+        f"- low_rank s = {spec.low_rank}, rank_multi m = {spec.rank_multi}, eta = {spec.eta}, KSVD reduction = {spec.ksvd_reduction}",
+    ]
+    if report:
+        lines += ["", "## Conversion", "", f"- calibration data: {report.get('calibration', 'none')}"]
+        per_layer = report.get("layers", [])
+        if per_layer:
+            lines += ["", "| layer | relative output error before | after |", "|---|---|---|"]
+            lines += [f"| `{r['layer']}` | {r['error_before']:.4f} | {r['error_after']:.4f} |" for r in per_layer]
+        for key, value in report.get("metrics", {}).items():
+            lines.append(f"- {key}: {value}")
+    lines += [
+        "",
+        "## Loading",
+        "",
+        "Without hf_primal (the modeling code ships in this repository):",
+        "",
+        "```python",
+        "from transformers import " + auto,
+        f"model = {auto}.from_pretrained(\"<this folder or repo id>\", trust_remote_code=True)",
+        "```",
+        "",
+        "With hf_primal installed, `import hf_primal` first and `trust_remote_code` is not needed.",
+        "Loading through the Auto classes with neither fails on the unknown model type instead of silently",
+        "building a stock model. Do not load it with a stock class such as `BertModel` directly: transformers",
+        "would only warn about the model type and leave the primal layers without their weights.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+class PrimalModelMixin:
+    """Converts in `post_init` (the plugin's hook does the same when it is installed; conversion is idempotent),
+    and writes a model card next to the weights."""
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        result = super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            import os
+
+            with open(os.path.join(save_directory, "README.md"), "w", encoding="utf-8") as handle:
+                handle.write(model_card(self))
+        return result
+
+    def push_to_hub(self, repo_id: str, *, commit_message=None, private=None, token=None, revision=None,
+                    create_pr: bool = False, max_shard_size="50GB", commit_description=None, **kwargs):
+        # Same upload path as transformers' push_to_hub, but keeps the model card written by save_pretrained
+        # (transformers would replace it with a generic one).
+        import tempfile
+
+        from transformers.utils.hub import hf_api
+
+        repo_id = hf_api().create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
+        with tempfile.TemporaryDirectory() as tmp_dir:
+            self.save_pretrained(tmp_dir, max_shard_size=max_shard_size)
+            return self._upload_modified_files(
+                tmp_dir, repo_id, files_timestamps={}, commit_message=commit_message, token=token,
+                create_pr=create_pr, revision=revision, commit_description=commit_description,
+            )
+
+    def post_init(self):
+        ignore = apply_primal_attention(self)
+        super().post_init()
+        if ignore:
+            self._keys_to_ignore_on_load_unexpected = set(self._keys_to_ignore_on_load_unexpected or ()) | set(ignore)
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if getattr(module, "_is_primal_core", False):
+            init_primal_core(module)
+
+
+class PrimalBertModel(PrimalModelMixin, _bert.BertModel):
+    config_class = PrimalBertConfig
+
+
+class PrimalBertForPreTraining(PrimalModelMixin, _bert.BertForPreTraining):
+    config_class = PrimalBertConfig
+
+
+class PrimalBertLMHeadModel(PrimalModelMixin, _bert.BertLMHeadModel):
+    config_class = PrimalBertConfig
+
+
+class PrimalBertForMaskedLM(PrimalModelMixin, _bert.BertForMaskedLM):
+    config_class = PrimalBertConfig
+
+
+class PrimalBertForNextSentencePrediction(PrimalModelMixin, _bert.BertForNextSentencePrediction):
+    config_class = PrimalBertConfig
+
+
+class PrimalBertForSequenceClassification(PrimalModelMixin, _bert.BertForSequenceClassification):
+    config_class = PrimalBertConfig
+
+
+class PrimalBertForMultipleChoice(PrimalModelMixin, _bert.BertForMultipleChoice):
+    config_class = PrimalBertConfig
+
+
+class PrimalBertForTokenClassification(PrimalModelMixin, _bert.BertForTokenClassification):
+    config_class = PrimalBertConfig
+
+
+class PrimalBertForQuestionAnswering(PrimalModelMixin, _bert.BertForQuestionAnswering):
+    config_class = PrimalBertConfig
+
+
+class PrimalViTModel(PrimalModelMixin, _vit.ViTModel):
+    config_class = PrimalViTConfig
+
+
+class PrimalViTForImageClassification(PrimalModelMixin, _vit.ViTForImageClassification):
+    config_class = PrimalViTConfig
+
+
+class PrimalViTForMaskedImageModeling(PrimalModelMixin, _vit.ViTForMaskedImageModeling):
+    config_class = PrimalViTConfig
+
+
+class PrimalGPT2Model(PrimalModelMixin, _gpt2.GPT2Model):
+    config_class = PrimalGPT2Config
+
+
+class PrimalGPT2LMHeadModel(PrimalModelMixin, _gpt2.GPT2LMHeadModel):
+    config_class = PrimalGPT2Config
+
+
+class PrimalGPT2DoubleHeadsModel(PrimalModelMixin, _gpt2.GPT2DoubleHeadsModel):
+    config_class = PrimalGPT2Config
+
+
+class PrimalGPT2ForSequenceClassification(PrimalModelMixin, _gpt2.GPT2ForSequenceClassification):
+    config_class = PrimalGPT2Config
+
+
+class PrimalGPT2ForTokenClassification(PrimalModelMixin, _gpt2.GPT2ForTokenClassification):
+    config_class = PrimalGPT2Config
+
+
+class PrimalGPT2ForQuestionAnswering(PrimalModelMixin, _gpt2.GPT2ForQuestionAnswering):
+    config_class = PrimalGPT2Config
+
+
+HUB_CONFIGS = {"bert": PrimalBertConfig, "vit": PrimalViTConfig, "gpt2": PrimalGPT2Config}
+HUB_MODELS = {
+    cls.__mro__[2]: cls
+    for cls in (
+        PrimalBertModel, PrimalBertForPreTraining, PrimalBertLMHeadModel, PrimalBertForMaskedLM,
+        PrimalBertForNextSentencePrediction, PrimalBertForSequenceClassification, PrimalBertForMultipleChoice,
+        PrimalBertForTokenClassification, PrimalBertForQuestionAnswering, PrimalViTModel,
+        PrimalViTForImageClassification, PrimalViTForMaskedImageModeling, PrimalGPT2Model, PrimalGPT2LMHeadModel,
+        PrimalGPT2DoubleHeadsModel, PrimalGPT2ForSequenceClassification, PrimalGPT2ForTokenClassification,
+        PrimalGPT2ForQuestionAnswering,
+    )
+}
