@@ -8,6 +8,8 @@
 """
 
 from .config import PrimalAttentionConfig
+from .convert import convert
+from .hub import enable_remote_code, register_auto_classes, save_converted
 from .lora import lora_config
 from .loss import clear_ksvd_terms, ksvd_loss
 from .modeling_primal import SUPPORTED_ARCHITECTURES, apply_primal_attention, primal_layers
@@ -16,6 +18,7 @@ from .primal import KSVDTerms, PrimalCore
 from .trainer import PrimalTrainer
 
 install_hooks()
+register_auto_classes()
 
 __version__ = "0.1.0"
 
@@ -30,4 +33,7 @@ __all__ = [
     "clear_ksvd_terms",
     "PrimalTrainer",
     "lora_config",
+    "convert",
+    "enable_remote_code",
+    "save_converted",
 ]

@@ -213,7 +213,7 @@ def _call(module, call) -> torch.Tensor:
 def _fit_layer(module, record, steps, learning_rate, train_qk, progress, name) -> tuple[float, float]:
     """Fit one primal layer to its teacher's outputs; returns the relative error before and after.
 
-    Every fifth recorded batch is held out (when there are at least two): the errors are measured on it and the
+    Every fifth recorded batch, counting from the last, is held out (when there are at least two): the errors are measured on it and the
     parameters kept are those with the lowest held-out error, so a small calibration set cannot be over-fitted.
     """
     attention = next(m for m in module.modules() if getattr(m, "_is_primal_attention", False))
@@ -232,8 +232,9 @@ def _fit_layer(module, record, steps, learning_rate, train_qk, progress, name) -
     module.eval()  # no dropout while fitting
 
     batches = list(zip(record["call"], record["mask"], record["y"]))
-    held = batches[4::5] if len(batches) >= 2 else batches
-    train = [b for i, b in enumerate(batches) if i % 5 != 4] if len(batches) >= 2 else batches
+    held_out = set(range(len(batches) - 1, -1, -5)) if len(batches) >= 2 else set()
+    held = [b for i, b in enumerate(batches) if i in held_out] or batches
+    train = [b for i, b in enumerate(batches) if i not in held_out] or batches
 
     def error(subset) -> float:
         num = den = 0.0

@@ -1,0 +1,262 @@
+"""convert() with and without attention transfer, shareable folders, remote code, push_to_hub, CLI, demo."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from huggingface_hub import HfApi
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForImageClassification,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    BertForSequenceClassification,
+    GPT2LMHeadModel,
+    ViTForImageClassification,
+)
+
+import hf_primal
+from hf_primal import convert, primal_layers
+from tests.conftest import bert_config, gpt2_config, vit_config
+
+AUTO = {"bert": AutoModelForSequenceClassification, "vit": AutoModelForImageClassification, "gpt2": AutoModelForCausalLM}
+
+
+def _stock(arch):
+    return {
+        "bert": lambda: BertForSequenceClassification(bert_config(num_hidden_layers=3)),
+        "vit": lambda: ViTForImageClassification(vit_config(num_hidden_layers=3)),
+        "gpt2": lambda: GPT2LMHeadModel(gpt2_config(n_layer=3)),
+    }[arch]()
+
+
+def _batches(arch, n=10, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if arch == "vit":
+        return [{"pixel_values": torch.randn(4, 3, 16, 16, generator=g)} for _ in range(n)]
+    out = []
+    for _ in range(n):
+        ids = torch.randint(1, 120, (4, 12), generator=g)
+        mask = torch.ones(4, 12, dtype=torch.long)
+        mask[1, 8:] = 0
+        out.append({"input_ids": ids, "attention_mask": mask})
+    return out
+
+
+@pytest.mark.parametrize("arch", ["bert", "vit", "gpt2"])
+def test_plain_conversion_reuses_weights(arch):
+    torch.manual_seed(0)
+    model = _stock(arch)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    convert(model, {"layers": [0, -1], "low_rank": 4, "rank_multi": 2})
+    assert len(primal_layers(model)) == 2 and model.config.model_type == f"primal_{arch}"
+    after = dict(model.named_parameters())
+    for name, value in before.items():
+        if name in after:
+            assert torch.equal(after[name], value), name
+    dropped = [n for n in before if n not in after]
+    assert all(("value" in n or "v_proj" in n) for n in dropped) and (len(dropped) == 4 or arch == "gpt2")
+    We = [p for n, p in after.items() if n.endswith("primal.We")]
+    assert all(torch.allclose(w.flatten(1) @ w.flatten(1).T, torch.eye(w.shape[0]), atol=1e-5) for w in We)
+    batch = _batches(arch, 1)[0]
+    with torch.no_grad():
+        assert torch.isfinite(model(**batch).logits).all()
+
+
+@pytest.mark.parametrize("target", ["layer", "attention"])
+@pytest.mark.parametrize("arch", ["bert", "vit", "gpt2"])
+def test_calibration_lowers_every_layer_error(arch, target):
+    torch.manual_seed(0)
+    model = _stock(arch)
+    convert(model, {"layers": [1, 2], "low_rank": 4, "rank_multi": 2}, calibration_data=_batches(arch),
+            steps=60, learning_rate=3e-3, target=target, progress=False)
+    report = model.primal_conversion_report
+    assert [r["layer"].split(".")[-3 if arch == "bert" else -2] for r in report["layers"]] == ["1", "2"]
+    for row in report["layers"]:
+        assert row["error_after"] < row["error_before"], row
+    assert "target=" + target in report["calibration"]
+
+
+def test_calibration_accepts_a_datasets_dataset():
+    from datasets import Dataset
+
+    model = _stock("bert")
+    rows = [{"input_ids": list(range(1, 6 + i % 5))} for i in range(24)]
+    convert(model, {"layers": [-1], "low_rank": 4}, calibration_data=Dataset.from_list(rows), steps=10,
+            batch_size=4, progress=False)
+    assert model.primal_conversion_report["layers"][0]["error_after"] <= model.primal_conversion_report["layers"][0]["error_before"]
+
+
+def test_convert_bad_input():
+    with pytest.raises(ValueError, match="target='all' is not allowed"):
+        convert(_stock("bert"), {"layers": [-1]}, target="all")
+    model = convert(_stock("bert"), {"layers": [-1], "low_rank": 3})
+    with pytest.raises(ValueError, match="already has primal_attention"):
+        convert(model, {"layers": [0]})
+
+
+def _fresh(code, cwd):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([sys.executable, "-c", _BLOCK + textwrap.dedent(code)], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+# Makes `import hf_primal` fail in the child, as on a machine where it is not installed.
+_BLOCK = "import sys; sys.modules['hf_primal'] = None\n"
+
+
+@pytest.mark.parametrize("arch", ["bert", "vit", "gpt2"])
+def test_converted_folder_loads_without_hf_primal(tmp_path, arch):
+    torch.manual_seed(0)
+    model = convert(_stock(arch), {"layers": "all", "low_rank": 4, "rank_multi": 2}).eval()
+    batch = _batches(arch, 1)[0]
+    with torch.no_grad():
+        logits = model(**batch).logits
+    hf_primal.save_converted(model, tmp_path / "out")
+    files = set(os.listdir(tmp_path / "out"))
+    assert {"config.json", "model.safetensors", "modeling_primal.py", "primal.py", "cache.py", "config.py", "README.md"} <= files
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["model_type"] == f"primal_{arch}" and config["primal_attention"]["low_rank"] == 4
+    assert config["auto_map"]["AutoConfig"].startswith("modeling_primal.") and AUTO[arch].__name__ in config["auto_map"]
+    torch.save(batch, tmp_path / "batch.pt")
+    result = _fresh(
+        f"""
+        import torch, transformers
+        model = transformers.{AUTO[arch].__name__}.from_pretrained({str(tmp_path / 'out')!r}, trust_remote_code=True).eval()
+        with torch.no_grad():
+            torch.save(model(**torch.load({str(tmp_path / 'batch.pt')!r})).logits, {str(tmp_path / 'remote.pt')!r})
+        print(type(model).__name__)
+        """, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (torch.load(tmp_path / "remote.pt") - logits).abs().max() == 0
+    # With the plugin installed, no remote code is needed.
+    again = AUTO[arch].from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        assert (again(**batch).logits - logits).abs().max() == 0
+
+
+def test_without_plugin_or_trust_remote_code_loading_fails_loudly(tmp_path):
+    model = convert(_stock("bert"), {"layers": [-1], "low_rank": 4})
+    hf_primal.save_converted(model, tmp_path / "out")
+    result = _fresh(f"""
+        import transformers
+        transformers.AutoModelForSequenceClassification.from_pretrained({str(tmp_path / 'out')!r})
+        """, cwd=tmp_path)
+    assert result.returncode != 0
+    assert "trust_remote_code" in result.stderr
+
+
+class _FakeHub:
+    """Stands in for the Hub: records what would be committed."""
+
+    def __init__(self, root):
+        self.root = root
+        self.commits = []
+
+    def create_repo(self, repo_id, *args, **kwargs):
+        from huggingface_hub import RepoUrl
+
+        return RepoUrl(f"https://huggingface.co/{repo_id}")
+
+    def create_commit(self, repo_id, operations, *args, **kwargs):
+        folder = os.path.join(self.root, f"commit{len(self.commits)}")
+        for op in operations:
+            dest = os.path.join(folder, op.path_in_repo)
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            source = op.path_or_fileobj
+            if isinstance(source, (str, os.PathLike)):
+                shutil.copy(source, dest)
+            else:
+                with open(dest, "wb") as handle:
+                    handle.write(source if isinstance(source, bytes) else source.read())
+        self.commits.append((repo_id, sorted(op.path_in_repo for op in operations), folder))
+        return None
+
+
+def _intercept(monkeypatch, tmp_path):
+    fake = _FakeHub(str(tmp_path / "hub"))
+    monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, *a, **k: fake.create_repo(repo_id))
+    monkeypatch.setattr(HfApi, "create_commit", lambda self, repo_id, operations, *a, **k: fake.create_commit(repo_id, operations))
+    return fake
+
+
+def _check_uploaded(folder, tmp_path, expect_tokenizer):
+    files = set(os.listdir(folder))
+    needed = {"config.json", "model.safetensors", "modeling_primal.py", "primal.py", "cache.py", "config.py", "README.md"}
+    if expect_tokenizer:
+        needed |= {"tokenizer.json", "tokenizer_config.json"}
+    assert needed <= files, needed - files
+    config = json.loads(open(os.path.join(folder, "config.json")).read())
+    assert "primal_attention" in config and "auto_map" in config
+    card = open(os.path.join(folder, "README.md")).read()
+    assert "Primal-Attention" in card and "trust_remote_code=True" in card and "low_rank s = 4" in card
+    result = _fresh(f"""
+        import transformers
+        m = transformers.AutoModelForSequenceClassification.from_pretrained({folder!r}, trust_remote_code=True)
+        assert type(m).__name__ == "PrimalBertForSequenceClassification", type(m)
+        """, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_model_push_to_hub_uploads_the_shareable_folder(tmp_path, monkeypatch):
+    fake = _intercept(monkeypatch, tmp_path)
+    model = convert(_stock("bert"), {"layers": [-1], "low_rank": 4}, calibration_data=_batches("bert", 3), steps=5,
+                    progress=False)
+    model.push_to_hub("someone/primal-bert")
+    assert len(fake.commits) == 1 and fake.commits[0][0] == "someone/primal-bert"
+    _check_uploaded(fake.commits[0][2], tmp_path, expect_tokenizer=False)
+    assert "relative output error" in open(os.path.join(fake.commits[0][2], "README.md")).read()
+
+
+def _minilm():
+    from hf_primal.demo import minilm_path
+
+    return minilm_path()
+
+
+def test_cli_convert_with_calibration_and_push(tmp_path, monkeypatch):
+    fake = _intercept(monkeypatch, tmp_path)
+    src = tmp_path / "src"
+    BertForSequenceClassification(bert_config(vocab_size=30522)).save_pretrained(src)
+    AutoTokenizer.from_pretrained(_minilm()).save_pretrained(src)
+    text = tmp_path / "calib.txt"
+    text.write_text("\n".join(f"sentence number {i} talks about the weather and the city" for i in range(40)))
+    from hf_primal.cli import main
+
+    assert main(["convert", str(src), str(tmp_path / "out"), "--layers", "-1", "--low-rank", "4",
+                 "--calibration", str(text), "--calibration-steps", "10", "--push-to-hub", "me/converted"]) == 0
+    report = json.loads((tmp_path / "out" / "primal_conversion.json").read_text())
+    assert report["calibration"].startswith("calib.txt") and len(report["layers"]) == 1
+    assert len(fake.commits) == 1
+    _check_uploaded(fake.commits[0][2], tmp_path, expect_tokenizer=True)
+    assert sorted(os.listdir(tmp_path / "out")) == fake.commits[0][1]
+
+
+def test_cli_rejects_bad_layers(capsys):
+    from hf_primal.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["convert", "a", "b", "--layers", "last"])
+    assert "--layers 'last' is not allowed" in capsys.readouterr().err
+
+
+def test_demo_reduced_mode(tmp_path):
+    from hf_primal.demo import run_demo
+
+    results = run_demo(str(tmp_path / "demo"), quick=True)
+    assert 0 < results["cosine_uncalibrated"] <= 1 and 0 < results["cosine_calibrated"] <= 1
+    assert results["layers"][0]["error_after"] <= results["layers"][0]["error_before"]
+    assert results["primal_layers"] == ["bert.encoder.layer.5.attention.self"]
+    assert 0 <= results["accuracy_after"] <= 1
+    saved = json.loads((tmp_path / "demo" / "demo_results.json").read_text())
+    assert saved["cosine_calibrated"] == results["cosine_calibrated"]
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "demo")
+    ids = tokenizer("the weather is lovely today")["input_ids"]
+    assert tokenizer.unk_token_id not in ids  # the pitfall: a tokenizer that maps every word to [UNK]
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "demo")
+    assert primal_layers(model) == ["bert.encoder.layer.5.attention.self"]
