@@ -303,19 +303,38 @@ def write_csv(rows: list[dict], path: Path) -> None:
         writer.writerows(rows)
 
 
-def plot(rows: list[dict], path: Path, title: str) -> None:
+def read_csv(path: Path) -> list[dict]:
+    """Rows written by `write_csv`, with their numeric types back."""
+    ints = {"context", "new_tokens", "repeats", "threads", "cache_bytes", "n_layer", "n_embd", "n_head"}
+    rows = []
+    with open(path, newline="") as handle:
+        for raw in csv.DictReader(handle):
+            row = {}
+            for key, value in raw.items():
+                if key == "variant":
+                    row[key] = value
+                elif key == "rss_high_water_reset":
+                    row[key] = value == "True"
+                else:
+                    row[key] = int(value) if key in ints else float(value)
+            rows.append(row)
+    return rows
+
+
+def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     panels = (
-        ("latency_ms", "per-token decode latency (ms)", False),
-        ("cache_bytes", "cache size after prefill (MiB)", True),
-        ("decode_peak_rss_mb", "peak RSS (MiB): decoding (solid), whole run (dashed)", False),
+        ("latency_ms", "ms", "per-token decode latency", False),
+        ("cache_bytes", "MiB", "cache size after prefill", True),
+        ("decode_peak_rss_mb", "MiB", "process peak RSS: decoding (solid), whole run (dashed)", False),
     )
-    fig, axes = plt.subplots(1, len(panels), figsize=(15, 4.2))
-    for ax, (key, label, log) in zip(axes, panels):
+    contexts = sorted({r["context"] for r in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(15, 4.4))
+    for ax, (key, unit, title, log) in zip(axes, panels):
         for variant in VARIANTS:
             mine = sorted((r for r in rows if r["variant"] == variant), key=lambda r: r["context"])
             xs = [r["context"] for r in mine]
@@ -324,16 +343,36 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
             if key == "decode_peak_rss_mb":  # the whole-run peak includes the prefill activations
                 ax.plot(xs, [r["peak_rss_mb"] for r in mine], linestyle="--", color=line.get_color())
         ax.set_xscale("log", base=2)
+        ax.set_xticks(contexts, [str(c) for c in contexts])
+        ax.minorticks_off()
         if log:
             ax.set_yscale("log")
+        ax.set_title(title, fontsize=10)
         ax.set_xlabel("context length (tokens)")
-        ax.set_ylabel(label)
+        ax.set_ylabel(unit)
         ax.grid(True, alpha=0.3)
     axes[0].legend()
-    fig.suptitle(title)
+    first = rows[0]
+    threads = f"{first['threads']} thread" + ("s" if first["threads"] > 1 else "")
+    fig.suptitle(
+        f"GPT-2 ({first['n_layer']} layers, n_embd {first['n_embd']}, {first['n_head']} heads), batch 1, CPU, "
+        f"{threads}; latency = median of {first['repeats']} passes x {first['new_tokens']} tokens"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def report(rows: list[dict], out_dir: Path) -> None:
+    """Print the table and write the CSV and the plot."""
+    print()
+    print(format_table(rows))
+    print()
+    print(growth_summary(rows))
+    csv_path, png_path = out_dir / CSV_NAME, out_dir / PNG_NAME
+    write_csv(rows, csv_path)
+    plot(rows, png_path)
+    print(f"\nwrote {csv_path} and {png_path}")
 
 
 # ----------------------------------------------------------------------------------------- entry point
@@ -346,6 +385,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--quick", action="store_true", help="tiny 2-layer model and short contexts (for tests)")
+    parser.add_argument("--replot", action="store_true", help="only redraw table and plot from the CSV in --out-dir")
     args = parser.parse_args(argv)
     default_contexts = "16,32,64" if args.quick else "128,256,512,1024,2048,4096"
     args.contexts = sorted({int(c) for c in (args.contexts or default_contexts).split(",")})
@@ -362,6 +402,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> list[dict]:
     args = parse_args(argv)
+    if args.replot:
+        rows = read_csv(args.out_dir / CSV_NAME)
+        report(rows, args.out_dir)
+        return rows
     args.out_dir.mkdir(parents=True, exist_ok=True)
     shape = args.shape
     print(
@@ -375,8 +419,10 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     print("memory: one forked worker per (context, variant)", flush=True)
     for context in args.contexts:
         for variant in VARIANTS:
-            row = {"variant": variant, "context": context, "new_tokens": args.new_tokens, "repeats": args.repeats,
-                   "threads": args.threads}
+            row = {
+                "variant": variant, "context": context, "n_layer": shape.n_layer, "n_embd": shape.n_embd,
+                "n_head": shape.n_head, "new_tokens": args.new_tokens, "repeats": args.repeats, "threads": args.threads,
+            }
             row.update(run_isolated(measure_memory, variant, context, shape, args.new_tokens, args.threads, args.seed))
             rows.append(row)
             print(
@@ -394,18 +440,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
         row["latency_ms_min"] = 1e3 * min(mine)
         row["latency_ms_max"] = 1e3 * max(mine)
     add_ratios(rows)
-    print()
-    print(format_table(rows))
-    print()
-    print(growth_summary(rows))
-    csv_path, png_path = args.out_dir / CSV_NAME, args.out_dir / PNG_NAME
-    write_csv(rows, csv_path)
-    title = (
-        f"GPT-2 decode, batch 1, CPU {args.threads} thread(s): {shape.n_layer} layers, n_embd {shape.n_embd}, "
-        f"{shape.n_head} heads (median of {args.repeats} x {args.new_tokens} tokens)"
-    )
-    plot(rows, png_path, title)
-    print(f"\nwrote {csv_path} and {png_path} in {time.perf_counter() - started:.0f} s")
+    report(rows, args.out_dir)
+    print(f"total {time.perf_counter() - started:.0f} s")
     return rows
 
 

@@ -7,6 +7,7 @@ sequences then say something about the cache.
 """
 
 import csv
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -266,7 +267,7 @@ def test_assisted_decoding_is_refused_not_silently_wrong():
 
 
 # ------------------------------------------------------------------ benchmark script
-def test_benchmark_script_quick_mode(tmp_path):
+def test_benchmark_script_quick_mode(tmp_path, monkeypatch):
     cmd = [
         sys.executable, str(REPO / "scripts" / "benchmark_generation.py"), "--quick", "--contexts", "16,48",
         "--out-dir", str(tmp_path),
@@ -288,5 +289,16 @@ def test_benchmark_script_quick_mode(tmp_path):
     assert cache[("last-layer-primal", 48)] == (2 * 48 * 64 + 2 * 64 + 1) * 4
     stock16 = next(r for r in rows if r["variant"] == "stock-sdpa" and r["context"] == "16")
     assert float(stock16["latency_ms_vs_stock"]) == 1.0
-    assert (tmp_path / "generation_benchmark.png").stat().st_size > 10_000
+    png = tmp_path / "generation_benchmark.png"
+    assert png.stat().st_size > 10_000
     assert "x stock" in result.stdout and "all-primal" in result.stdout
+
+    # --replot redraws from the CSV alone, with the numbers read back as numbers.
+    spec = importlib.util.spec_from_file_location("benchmark_generation", REPO / "scripts" / "benchmark_generation.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # dataclasses look their module up there
+    spec.loader.exec_module(bench)
+    png.unlink()
+    replotted = bench.main(["--replot", "--out-dir", str(tmp_path)])
+    assert {(r["variant"], r["context"]): r["cache_bytes"] for r in replotted} == cache
+    assert png.stat().st_size > 10_000
