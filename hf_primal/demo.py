@@ -96,7 +96,7 @@ def run_demo(
     reviews = _sentiment()
     if quick:
         calibration, heldout, reviews = calibration[:64], heldout[:48], reviews[:96]
-    steps = calibration_steps if calibration_steps is not None else (20 if quick else 300)
+    steps = calibration_steps if calibration_steps is not None else (20 if quick else 150)
     epochs = epochs if epochs is not None else (1.0 if quick else 3.0)
     print(f"[1/5] all-MiniLM-L6-v2 from {path}; Primal.+ on the last layer (s={low_rank}, m={rank_multi}, eta={eta})")
 
@@ -108,7 +108,7 @@ def run_demo(
     print(f"[2/5] uncalibrated conversion: mean cosine of sentence embeddings vs original = {cos_plain:.4f} "
           f"({len(heldout)} held-out sentences)")
 
-    texts = _augment(calibration, extra=0 if quick else 4 * len(calibration), seed=seed)
+    texts = _augment(calibration, extra=0 if quick else 3 * len(calibration), seed=seed)
     batches = [dict(tokenizer(texts[i:i + 32], padding=True, truncation=True, max_length=64, return_tensors="pt"))
                for i in range(0, len(texts), 32)]
     model = BertForSequenceClassification.from_pretrained(path, num_labels=2, id2label={0: "negative", 1: "positive"},
