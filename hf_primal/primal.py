@@ -333,14 +333,15 @@ class PrimalCore(nn.Module):
         s = self.low_rank
         keep = None if valid is None else valid[:, None, :, None]
         y, s2 = _PrimalHeads.apply(v_q, v_k, w_e, w_r, self.head_map.weight, self.head_map.bias, floor, keep)
-        lam2 = self.Lambda.float().square()[None]  # (1, H, s)
+        wide = torch.promote_types(self.Lambda.dtype, torch.float32)  # fp32, or fp64 for a float64 module
+        lam2 = self.Lambda.to(wide).square()[None]  # (1, H, s)
         e_sum = 0.5 * (s2[..., :s] * lam2).sum(dim=(1, 2))
         r_sum = 0.5 * (s2[..., s:] * lam2).sum(dim=(1, 2))
         if valid is None:
             count = torch.full((batch,), float(heads * length), device=v_q.device)
         else:
             count = valid.sum(dim=1).float() * heads
-        trace = (self.We.float() * self.Wr.float()).sum(dim=(1, 2)).mean()
+        trace = (self.We.to(wide) * self.Wr.to(wide)).sum(dim=(1, 2)).mean()
         return y, KSVDTerms(e_sum, r_sum, count, trace)
 
     def forward(
@@ -412,8 +413,9 @@ class PrimalCore(nn.Module):
         else:
             counts = torch.arange(1, length + 1, device=q.device, dtype=torch.float32).expand(batch, length)
         # fp32 running sums: long prefixes lose precision in half precision.
-        sum_q = torch.cumsum(q, dim=2, dtype=torch.float32)
-        sum_k = torch.cumsum(k, dim=2, dtype=torch.float32)
+        wide = torch.promote_types(dtype, torch.float32)
+        sum_q = torch.cumsum(q, dim=2, dtype=wide)
+        sum_k = torch.cumsum(k, dim=2, dtype=wide)
         if state is not None:
             sum_q = sum_q + state.sum_q[:, :, None, :]
             sum_k = sum_k + state.sum_k[:, :, None, :]

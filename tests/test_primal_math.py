@@ -1,0 +1,135 @@
+"""hf_primal.primal against the loop-by-loop spec in tests/reference.py, and its hand-written backward."""
+
+import copy
+
+import pytest
+import torch
+
+from hf_primal.primal import PrimalCore, ksvd_objective
+from tests.reference import reference_causal, reference_layer_J, reference_noncausal
+
+H, D, S = 3, 4, 5
+
+
+def _core(causal, samples, dtype=torch.float64):
+    core = PrimalCore(H, D, S, samples, causal).to(dtype)
+    with torch.no_grad():
+        core.Lambda.normal_()  # signed, so that Lambda^2 (not Lambda) is what the terms must use
+        core.head_map.bias.normal_()  # a visible bias: padded rows must still come out exactly zero
+    return core
+
+
+def _qk(batch, length, head_major=False, dtype=torch.float64):
+    # Token-major (B, N, H, d) storage viewed as (B, H, N, d), as a split projection gives them.
+    q = torch.randn(batch, length, H, D, dtype=dtype).transpose(1, 2)
+    k = torch.randn(batch, length, H, D, dtype=dtype).transpose(1, 2)
+    if head_major:
+        q, k = q.contiguous(), k.contiguous()
+    return q, k
+
+
+def _mask(batch, length, kind):
+    valid = torch.ones(batch, length, dtype=torch.bool)
+    if kind == "right":
+        valid[0, length - 3 :] = False
+        valid[-1, 2:] = False  # 2 valid tokens, fewer than p: sampled indices repeat
+    elif kind == "left":
+        valid[0, :4] = False
+    return valid
+
+
+CASES = {  # name: (batch, length, p, mask, head_major)
+    "no-mask-index-select": (2, 11, 6, None, False),
+    "no-mask-p-equals-n": (2, 7, 7, None, False),
+    "right-padding": (3, 9, 6, "right", False),
+    "left-padding": (2, 9, 4, "left", False),
+    "batch-over-loop-limit": (6, 8, 5, "right", False),
+    "head-major-inputs": (2, 8, 5, "left", True),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_noncausal_matches_reference(case):
+    batch, length, samples, mask, head_major = CASES[case]
+    core = _core(False, samples)
+    q, k = _qk(batch, length, head_major)
+    x = torch.randn(batch, length, H * D, dtype=torch.float64)
+    valid = None if mask is None else _mask(batch, length, mask)
+    y, terms = core.noncausal(q, k, x, valid)
+    full = torch.ones(batch, length, dtype=torch.bool) if valid is None else valid
+    y_ref, e_ref, r_ref = reference_noncausal(x, q, k, full, core.We, core.Wr, core.head_map.weight, core.head_map.bias)
+    assert y.shape == (batch, H, length, D)
+    assert (y - y_ref).abs().max() < 1e-10
+    assert torch.all(y.transpose(1, 2)[~full] == 0)  # exactly zero, not just small
+    per_seq, whole = reference_layer_J(e_ref, r_ref, full, core.Lambda, core.We, core.Wr)
+    assert torch.allclose(ksvd_objective(terms, "sequence").double(), torch.tensor(per_seq, dtype=torch.float64), atol=1e-5)
+    assert ksvd_objective(terms, "batch").item() == pytest.approx(whole, abs=1e-5)
+    assert torch.equal(terms.count, full.sum(1).float() * H)
+    # merging heads is a free view of the result (token-major storage)
+    assert y.transpose(1, 2).is_contiguous()
+
+
+@pytest.mark.parametrize("mask", [None, "left"])
+def test_causal_matches_reference_and_state_continues(mask):
+    core = _core(True, 0)
+    q, k = _qk(2, 9)
+    valid = None if mask is None else _mask(2, 9, mask)
+    full = torch.ones(2, 9, dtype=torch.bool) if valid is None else valid
+    y, terms, state = core.causal_forward(q, k, valid)
+    y_ref, e_ref, r_ref = reference_causal(q, k, full, core.We, core.Wr, core.head_map.weight, core.head_map.bias)
+    assert (y - y_ref).abs().max() < 1e-10
+    assert torch.all(y.transpose(1, 2)[~full] == 0)
+    per_seq, _ = reference_layer_J(e_ref, r_ref, full, core.Lambda, core.We, core.Wr)
+    assert torch.allclose(ksvd_objective(terms).double(), torch.tensor(per_seq, dtype=torch.float64), atol=1e-5)
+    # The same sequence in two chunks, the second continuing from the first chunk's state.
+    cut = 5
+    first = None if valid is None else valid[:, :cut]
+    second = None if valid is None else valid[:, cut:]
+    _, _, mid = core.causal_forward(q[:, :, :cut], k[:, :, :cut], first)
+    y2, _, end = core.causal_forward(q[:, :, cut:], k[:, :, cut:], second, mid)
+    assert (y2 - y[:, :, cut:]).abs().max() < 1e-10
+    for a, b in zip(end, state):
+        assert torch.allclose(a, b)
+    assert state.sum_q.shape == (2, H, D)
+    assert state.sum_q.untyped_storage().nbytes() == state.sum_q.numel() * 8  # its own storage, not a view of the sums
+
+
+def _gradcheck_inputs(causal, batch, head_major=False):
+    torch.manual_seed(1)
+    length, samples = 5, 3
+    core = _core(causal, 0 if causal else samples)
+    q, k = _qk(batch, length, head_major)
+    valid = torch.ones(batch, length, dtype=torch.bool)
+    valid[0, -2:] = False
+    x = torch.randn(batch, length, H * D, dtype=torch.float64)
+    names = [name for name, _ in core.named_parameters()]
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, x, *core.parameters())]
+
+    def fn(q, k, x, *params):
+        weights = dict(zip(names, params))  # the module's parameters become gradcheck inputs
+        if causal:
+            y, terms, _ = torch.func.functional_call(core, weights, (q, k), {"valid": valid})
+        else:
+            y, terms, _ = torch.func.functional_call(core, weights, (q, k), {"x": x, "valid": valid})
+        return y, terms.e_sum, terms.r_sum
+
+    return fn, leaves
+
+
+@pytest.mark.parametrize("causal,batch,head_major", [(False, 2, False), (False, 5, False), (False, 1, True), (True, 2, False)])
+def test_hand_written_backward_matches_finite_differences(causal, batch, head_major):
+    fn, leaves = _gradcheck_inputs(causal, batch, head_major)
+    assert torch.autograd.gradcheck(fn, leaves, eps=1e-6, atol=1e-6, fast_mode=True)
+
+
+def test_causal_half_precision_long_prefix_stays_finite():
+    # Raw prefix sums of 4096 tokens of this size exceed the fp16 range (65504); the fp16 path must use means.
+    core = _core(True, 0, dtype=torch.float16)
+    q = (30 + torch.randn(1, 4096, H, D)).half().transpose(1, 2)
+    k = (30 + torch.randn(1, 4096, H, D)).half().transpose(1, 2)
+    y, terms, _ = core.causal_forward(q, k, None)
+    assert y.dtype == torch.float16
+    assert torch.isfinite(y).all() and torch.isfinite(terms.e_sum).all()
+    wide = copy.deepcopy(core).double()
+    y64, _, _ = wide.causal_forward(q.double(), k.double(), None)
+    assert (y.double() - y64).abs().max() < 2e-2
