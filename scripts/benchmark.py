@@ -22,7 +22,8 @@ How it measures. The parent process only imports; all torch work runs in worker 
 * Time: one worker per section holds every variant and times them round-robin (one unrecorded warm-up
   step each, then up to ``--repeats`` timed steps per variant, fewer for steps slower than
   ``--budget-s`` / repeats), so load from other processes hits all variants alike. Reported: the median
-  (``time_ms``) and the minimum (``time_ms_min``) wall time; ratios and fits use the median.
+  (``time_ms``) and the minimum (``time_ms_min``) wall time; ratios and fits use the median. ``load1`` is
+  the 1-minute load average after timing a length: above the thread count, other processes competed.
 * Peak memory: one fresh worker per (section, variant, N). glibc is told to serve every allocation above
   128 KiB with mmap (fixed threshold), so freed tensors go back to the OS; after building the model and
   inputs the worker trims the heap, reads its resident set (VmRSS), resets the kernel's high-water mark
@@ -331,9 +332,11 @@ def timing_job(settings: Settings, section: str) -> list[dict[str, Any]]:
                 built[variant] = build(shape, variant, n)
         for mode in ("train", "infer"):
             steps = {v: make_step(m, ids, labels, mode) for v, (m, ids, labels) in built.items()}
-            for variant, (median, low, reps) in _time_round_robin(steps, settings.repeats, settings.budget_s).items():
+            times = _time_round_robin(steps, settings.repeats, settings.budget_s)
+            load = os.getloadavg()[0]  # > threads means other processes competed for the cores meanwhile
+            for variant, (median, low, reps) in times.items():
                 rows.append({"section": section, "variant": variant, "n": n, "batch": shape.batch, "mode": mode,
-                             "time_ms": median, "time_ms_min": low, "reps": reps})
+                             "time_ms": median, "time_ms_min": low, "reps": reps, "load1": load})
             gc.collect()
         print(f"  [{section}] N={n} timed", flush=True)
         del built
@@ -348,10 +351,11 @@ def sublayer_job(settings: Settings) -> list[dict[str, Any]]:
     for section in ("bert-base", "lra"):
         shape = settings.sections[section]
         times = _time_round_robin(sublayer_steps(shape, n), settings.repeats, settings.budget_s)
+        load = os.getloadavg()[0]
         for name, (median, low, reps) in times.items():
             part, variant = name.split(" ")
             rows.append({"section": f"{part}:{section}", "variant": variant, "n": n, "batch": shape.batch,
-                         "mode": "train", "time_ms": median, "time_ms_min": low, "reps": reps})
+                         "mode": "train", "time_ms": median, "time_ms_min": low, "reps": reps, "load1": load})
     return rows
 
 
@@ -455,7 +459,7 @@ def summarise(settings: Settings, rows: list[dict], quick: bool) -> list[dict[st
 
 # ------------------------------------------------------------------------------------------ output
 CSV_FIELDS = ["section", "variant", "n", "batch", "mode", "time_ms", "time_ms_min", "reps", "peak_mib",
-              "speedup_vs_eager", "speedup_vs_sdpa", "mem_ratio_vs_eager", "mem_ratio_vs_sdpa", "status"]
+              "speedup_vs_eager", "speedup_vs_sdpa", "mem_ratio_vs_eager", "mem_ratio_vs_sdpa", "load1", "status"]
 
 
 def _fmt(value: Any, digits: int = 1) -> str:
@@ -469,8 +473,8 @@ def _fmt(value: Any, digits: int = 1) -> str:
 def print_table(rows: list[dict], summary: list[dict], header: str) -> None:
     print(header)
     cols = ["section", "variant", "n", "mode", "time_ms", "time_ms_min", "reps", "peak_mib", "speedup_vs_eager",
-            "speedup_vs_sdpa", "mem_ratio_vs_eager", "status"]
-    widths = [11, 11, 5, 5, 10, 11, 4, 9, 16, 15, 18, 10]
+            "speedup_vs_sdpa", "mem_ratio_vs_eager", "load1", "status"]
+    widths = [11, 11, 5, 5, 10, 11, 4, 9, 16, 15, 18, 5, 10]
     print(" ".join(c.rjust(w) for c, w in zip(cols, widths)))
     for row in rows:
         print(" ".join(_fmt(row.get(c), 2 if c.startswith(("speed", "mem_")) else 1).rjust(w)
