@@ -449,6 +449,12 @@ def summarise(settings: Settings, rows: list[dict], quick: bool) -> list[dict[st
         if middle and layer:
             summary.append({"name": f"{section} primal middle share of transformer layer fwd+bwd (N={n})",
                             "value": middle["time_ms"] / layer["time_ms"], "target": "", "met": None})
+    loads = [r["load1"] for r in rows if r.get("load1") is not None]
+    if loads:
+        busy = max(loads) > settings.threads + 1
+        summary.append({"name": "max 1-minute load average while timing" + (
+            " (ABOVE threads + 1: other processes competed, times are inflated)" if busy else ""),
+            "value": max(loads), "target": "", "met": None})
     for item in summary:
         target = item["target"]
         if target:
