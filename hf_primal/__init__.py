@@ -7,6 +7,7 @@
     model = AutoModelForSequenceClassification.from_pretrained(path, primal_attention={"layers": [-1]})
 """
 
+from .analysis import LayerSpectrum, attention_spectrum, plot_attention_spectrum
 from .config import PrimalAttentionConfig
 from .convert import convert
 from .hub import enable_remote_code, register_auto_classes, save_converted
@@ -36,4 +37,7 @@ __all__ = [
     "convert",
     "enable_remote_code",
     "save_converted",
+    "LayerSpectrum",
+    "attention_spectrum",
+    "plot_attention_spectrum",
 ]
