@@ -21,13 +21,18 @@ def _primal_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if getattr(m, "_is_primal_attention", False)]
 
 
-def _default_reduction(model: nn.Module) -> str:
+def primal_model(model: nn.Module) -> nn.Module:
+    """The module whose ``config.primal_attention`` applies: DDP / compile / PEFT wrappers hold the HF model below."""
     for module in model.modules():
         config = getattr(module, "config", None)
-        spec = getattr(config, "primal_attention", None) if config is not None else None
-        if isinstance(spec, dict):
-            return spec.get("ksvd_reduction", "sequence")
-    return "sequence"
+        if config is not None and getattr(config, "primal_attention", None) is not None:
+            return module
+    return model
+
+
+def _default_reduction(model: nn.Module) -> str:
+    spec = getattr(getattr(primal_model(model), "config", None), "primal_attention", None)
+    return spec.get("ksvd_reduction", "sequence") if isinstance(spec, dict) else "sequence"
 
 
 def collect_ksvd_terms(model: nn.Module) -> list[KSVDTerms]:

@@ -9,17 +9,7 @@ import torch
 from torch import nn
 from transformers import Trainer
 
-from .loss import REDUCTIONS, clear_ksvd_terms, collect_ksvd_terms, ksvd_from_terms
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    # DDP / compile / PEFT wrappers all expose the HF model somewhere below; the first module with a
-    # `config.primal_attention` is the one whose settings apply.
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is not None and getattr(config, "primal_attention", None) is not None:
-            return module
-    return model
+from .loss import REDUCTIONS, clear_ksvd_terms, collect_ksvd_terms, ksvd_from_terms, primal_model
 
 
 def _loss_uses_num_items(model: nn.Module) -> bool:
@@ -51,7 +41,7 @@ class PrimalTrainer(Trainer):
 
     def __init__(self, *args: Any, ksvd_weight: Optional[float] = None, ksvd_reduction: Optional[str] = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        inner = _unwrap(self.model)
+        inner = primal_model(self.model)
         spec = getattr(getattr(inner, "config", None), "primal_attention", None)
         if spec is None:
             raise ValueError(
