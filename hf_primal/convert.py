@@ -1,14 +1,19 @@
-"""`convert()`: turn a loaded stock BERT / ViT / GPT-2 into a primal model, optionally by attention transfer.
+"""`convert()`: turn a loaded stock BERT / ViT / GPT-2 into a primal model, then adapt it to the original.
 
-Primal-Attention has no value projection, so swapping a layer throws away what the softmax layer computed. With
-calibration data, each converted layer is fitted so that its output matches the original softmax layer's output
-on the same hidden states (the original layer is the teacher; LoLCATs-style attention transfer), and the relative
-output error is reported before and after.
+Primal-Attention has no value projection, so swapping a layer throws away what the softmax layer computed, and no
+fit of the converted layer alone can bring it back (docs/method.md, "Capacity of one layer"). Two ways to adapt,
+both measured on calibration batches held out from training:
+
+* ``method="distill"`` (recommended): a frozen copy of the original model is the teacher, and every parameter of the
+  converted model trains so that what the model serves (final hidden states and mean-pooled embeddings, or logits)
+  matches the teacher; the rest of the network learns to work around the primal layers.
+* ``method="transfer"``: each converted block (or attention module) alone is fitted to the original block's output
+  on the same inputs (LoLCATs-style attention transfer); cheap, but bounded by the single-layer capacity.
 """
 
 from __future__ import annotations
 
-import copy
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any, Optional, Union
 
@@ -17,6 +22,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .config import PrimalAttentionConfig
+from .distill import distill, frozen_copy
 from .hub import enable_remote_code
 from .modeling_primal import apply_primal_attention, find_adapter, init_primal_core, valid_tokens
 
@@ -39,6 +45,27 @@ def _batches(data: Any, batch_size: int) -> Iterable[Mapping[str, torch.Tensor]]
     if isinstance(data, Mapping):
         return [data]
     return data
+
+
+def text_batches(
+    tokenizer: Any, texts: list[str], batch_size: int = 32, max_length: int = 128
+) -> list[dict[str, torch.Tensor]]:
+    """Tokenised batches of `texts` for `convert`, grouped by length so that little compute goes to padding.
+
+    Sorting by length before batching makes distillation on short sentences about twice as fast as random batches
+    padded to their longest member; the batch order is still mixed during training.
+    """
+    if not texts:
+        raise ValueError("text_batches: no texts given.")
+    if getattr(tokenizer, "pad_token", None) is None and getattr(tokenizer, "eos_token", None) is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    lengths = [len(ids) for ids in tokenizer(list(texts), truncation=True, max_length=max_length)["input_ids"]]
+    order = sorted(range(len(texts)), key=lambda i: lengths[i])
+    return [
+        dict(tokenizer([texts[i] for i in order[start:start + batch_size]], padding=True, truncation=True,
+                       max_length=max_length, return_tensors="pt"))
+        for start in range(0, len(order), batch_size)
+    ]
 
 
 def _pad_collate(rows: list[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -79,17 +106,26 @@ def _qk_modules(module: nn.Module) -> list[nn.Module]:
     return [getattr(module, n) for n in ("query", "key", "q_proj", "k_proj", "c_attn") if hasattr(module, n)]
 
 
+METHODS = ("transfer", "distill")
+# Below this relative improvement of the held-out error, a report says the adaptation achieved nothing meaningful.
+MEANINGFUL_IMPROVEMENT = 0.02
+
+
 def convert(
     model: nn.Module,
     config: Union[PrimalAttentionConfig, Mapping[str, Any], None] = None,
     calibration_data: Any = None,
     *,
-    steps: int = 300,
-    learning_rate: float = 3e-3,
+    method: str = "transfer",
+    steps: Optional[int] = None,
+    learning_rate: Optional[float] = None,
+    primal_learning_rate: float = 1e-3,
     batch_size: int = 8,
     max_batches: Optional[int] = None,
     train_qk: bool = True,
     target: str = "layer",
+    distill_target: str = "auto",
+    temperature: float = 2.0,
     progress: bool = True,
 ) -> nn.Module:
     """Make the layers chosen by `config` primal, in place, and return the model ready to save or share.
@@ -97,11 +133,21 @@ def convert(
     Args:
         model: a loaded stock BERT / ViT / GPT-2 model (any head).
         config: a `PrimalAttentionConfig` or dict (default: ``PrimalAttentionConfig()``, the last layer).
-        calibration_data: model inputs for attention transfer: a DataLoader or iterable of dict batches, or a
-            `datasets.Dataset` with tokenised ``input_ids`` (or ``pixel_values``). None: the plain conversion
-            (q/k and output weights reused, new primal parameters initialised as in the paper).
-        steps: Adam steps of attention transfer per converted layer.
-        learning_rate: Adam learning rate of attention transfer.
+        calibration_data: unlabeled model inputs to adapt on: a DataLoader or iterable of dict batches, or a
+            `datasets.Dataset` with tokenised ``input_ids`` (or ``pixel_values``). Every fifth batch is held out to
+            measure the error and choose the kept step. None: the plain conversion (q/k and output weights reused,
+            new primal parameters initialised as in the paper).
+        method: ``"distill"`` (distillation of the whole model from a frozen copy of the original; recommended) or
+            ``"transfer"`` (layer-wise attention transfer).
+        steps: optimizer steps: of distillation in all (default: 4 passes over the training batches), or of
+            attention transfer per converted layer (default 300).
+        learning_rate: AdamW learning rate of the pretrained weights in distillation (default 1e-4), or Adam learning
+            rate of attention transfer (default 3e-3).
+        primal_learning_rate: learning rate of the new primal parameters in distillation.
+        distill_target: what distillation matches: ``"hidden"`` (final hidden states + mean-pooled embeddings),
+            ``"logits"`` (KL of the head's softened distributions, with `temperature`) or ``"auto"`` (logits for
+            models with a head, hidden states for base models).
+        temperature: softmax temperature of the logits KL term.
         batch_size: batch size when `calibration_data` is a `datasets.Dataset`.
         max_batches: use at most this many calibration batches.
         train_qk: with ``target="attention"``, also fit the q/k projections.
@@ -111,9 +157,10 @@ def convert(
             value projection), so letting the rest of the block adapt recovers much more of the original model.
         progress: show tqdm progress bars.
 
-    The per-layer report (relative output error ||y - y_teacher|| / ||y_teacher|| over the valid tokens of held-out
-    calibration batches, before and after fitting) is printed and kept on ``model.primal_conversion_report``; `save_pretrained` puts it in the
-    model card.
+    The report (held-out figures before and after, and for transfer the relative output error
+    ||y - y_teacher|| / ||y_teacher|| of each layer) is printed and kept on ``model.primal_conversion_report``;
+    `save_pretrained` puts it in the model card. When the held-out error improves by less than 2%, the report's
+    ``"verdict"`` says so (and a warning is issued) with what to try next.
     """
     spec = PrimalAttentionConfig.coerce(config if config is not None else PrimalAttentionConfig())
     adapter = find_adapter(model)
@@ -122,21 +169,30 @@ def convert(
             f"convert: {type(model).__name__} already has primal_attention={model.config.primal_attention}; "
             "convert a stock model (reload it without primal_attention)."
         )
+    if method not in METHODS:
+        raise ValueError(f"convert: method={method!r} is not allowed: use one of {list(METHODS)}.")
     if target not in ("layer", "attention"):
         raise ValueError(f"convert: target={target!r} is not allowed: use 'layer' or 'attention'.")
-    if steps < 0 or learning_rate <= 0:
+    if learning_rate is None:
+        learning_rate = 1e-4 if method == "distill" else 3e-3
+    if (steps is not None and steps < 0) or not learning_rate > 0:
         raise ValueError(f"convert: steps={steps} must be >= 0 and learning_rate={learning_rate} > 0.")
     base = getattr(model, model.base_model_prefix, model)
     layer_list = adapter.list_layers(base)
     selected = spec.resolve_layers(len(layer_list))
     prefix = f"{model.base_model_prefix}." if base is not model else ""
 
+    causal = adapter.causal(model.config)
     blocks = _blocks(base, layer_list)
     fitted = {i: (blocks[i] if target == "layer" else layer_list[i][1]) for i in selected}
     records: dict[int, dict] = {}
-    if calibration_data is not None:
+    teacher, distill_batches = None, None
+    if calibration_data is not None and method == "distill":
+        distill_batches = _collect_batches(calibration_data, batch_size, max_batches)
+        teacher = frozen_copy(model)
+    elif calibration_data is not None:
         records = _record_teacher(model, [fitted[i] for i in selected], selected, calibration_data,
-                                  batch_size, max_batches, progress, adapter.causal(model.config))
+                                  batch_size, max_batches, progress, causal)
 
     model.config.primal_attention = spec.to_dict()
     ignore = apply_primal_attention(model)
@@ -150,8 +206,29 @@ def convert(
             core.head_map.weight.normal_(0.0, std)
             core.head_map.bias.zero_()
 
-    report = {"calibration": "none", "layers": []}
-    if records:
+    report: dict[str, Any] = {"calibration": "none", "method": "none", "layers": []}
+    if distill_batches is not None:
+        n_train = len(distill_batches) - len(range(len(distill_batches) - 1, -1, -5))
+        steps = steps if steps is not None else max(1, 4 * n_train)
+        result = distill(model, teacher, distill_batches, steps=steps, learning_rate=learning_rate,
+                         primal_learning_rate=primal_learning_rate, target=distill_target, temperature=temperature,
+                         progress=progress, causal=causal)
+        del teacher
+        report["method"] = "distill"
+        report["calibration"] = (
+            f"{len(distill_batches)} batches ({n_train} trained on, the rest held out), distillation from the original "
+            f"model, {steps} AdamW steps (lr {learning_rate}, primal lr {primal_learning_rate}), kept step "
+            f"{result.best_step}"
+        )
+        report["distillation"] = result.to_dict()
+        report["verdict"] = _verdict(result.loss_before, result.loss_after, "distillation")
+        if progress:
+            cos = (f"; mean-pooled embedding cosine {result.cosine_before:.4f} -> {result.cosine_after:.4f}"
+                   if result.cosine_after is not None else "")
+            print(f"[hf_primal] distillation: held-out loss {result.loss_before:.4f} -> {result.loss_after:.4f}{cos}")
+    elif records:
+        steps = 300 if steps is None else steps
+        report["method"] = "transfer"
         report["calibration"] = (
             f"{len(records[selected[0]]['call'])} batches, target={target}, {steps} Adam steps per layer "
             f"(lr {learning_rate}), errors on held-out batches"
@@ -162,8 +239,41 @@ def convert(
             report["layers"].append({"layer": name, "error_before": before, "error_after": after})
             if progress:
                 print(f"[hf_primal] {name}: relative output error {before:.4f} -> {after:.4f}")
+        report["verdict"] = _verdict(sum(r["error_before"] for r in report["layers"]),
+                                     sum(r["error_after"] for r in report["layers"]), "attention transfer")
+    if report.get("verdict", "").startswith("no meaningful"):
+        warnings.warn(f"hf_primal.convert: {report['verdict']}", stacklevel=2)
+        if progress:
+            print(f"[hf_primal] {report['verdict']}")
     model.primal_conversion_report = report
     return enable_remote_code(model)
+
+
+def _verdict(before: float, after: float, what: str) -> str:
+    gain = (before - after) / before if before > 0 else 0.0
+    if gain >= MEANINGFUL_IMPROVEMENT:
+        return f"{what} lowered the held-out error by {100 * gain:.1f}%"
+    advice = (
+        "try method='distill' (the rest of the network adapts around the primal layer; a single layer cannot match "
+        "softmax attention alone), more or more varied calibration data, or more steps"
+        if what != "distillation"
+        else "try more (and more varied) unlabeled data, more steps, or a higher learning_rate"
+    )
+    return f"no meaningful improvement: {what} changed the held-out error by {100 * gain:.1f}% only; {advice}"
+
+
+def _collect_batches(data: Any, batch_size: int, max_batches: Optional[int]) -> list[dict[str, torch.Tensor]]:
+    batches = []
+    for n, batch in enumerate(_batches(data, batch_size)):
+        if max_batches is not None and n >= max_batches:
+            break
+        batches.append({k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and k != "labels"})
+    if len(batches) < 2:
+        raise ValueError(
+            f"convert: calibration_data produced {len(batches)} batch(es); distillation needs at least 2 (one is held "
+            "out to choose the kept step)."
+        )
+    return batches
 
 
 @torch.no_grad()

@@ -1,4 +1,5 @@
-"""`PrimalTrainer`: `transformers.Trainer` plus eta * KSVD loss (method spec §1, §4)."""
+"""`PrimalTrainer`: `transformers.Trainer` plus eta * KSVD loss (docs/method.md, "The KSVD loss"), an optional
+knowledge-distillation term from a teacher model, and a learning rate of its own for the new primal parameters."""
 
 from __future__ import annotations
 
@@ -9,7 +10,17 @@ import torch
 from torch import nn
 from transformers import Trainer
 
+from .distill import check_compatible, resolve_target, student_teacher_loss
 from .loss import REDUCTIONS, clear_ksvd_terms, collect_ksvd_terms, ksvd_from_terms, primal_model
+
+# Chosen by measurement (scripts/benchmark_conversion.py, README "Converting a pretrained model"): newly initialised
+# primal parameters learn best about 10x faster than the pretrained weights around them.
+PRIMAL_LR_MULTIPLIER = 10.0
+
+
+def is_primal_parameter(name: str) -> bool:
+    """Whether a parameter name belongs to a `PrimalCore` (W_e, W_r, Lambda, the head map), PEFT-wrapped or not."""
+    return ".primal." in f".{name}"
 
 
 def _loss_uses_num_items(model: nn.Module) -> bool:
@@ -33,13 +44,34 @@ class PrimalTrainer(Trainer):
         ksvd_weight: eta; defaults to the model's ``primal_attention["eta"]``. ``0`` keeps the term in the graph
             (zero gradients) so that distributed training sees every parameter used.
         ksvd_reduction: ``"sequence"`` or ``"batch"``; defaults to the model's ``primal_attention["ksvd_reduction"]``.
+        teacher: optional model to distil from while training (e.g. the stock model the primal one was converted
+            from, or a stock model fine-tuned on the task). It runs in eval mode under ``no_grad`` on the same inputs,
+            gets no gradient and is never saved in checkpoints.
+        distill_weight: weight of the distillation term (default 1.0 when a teacher is given).
+        distill_temperature: softmax temperature of the logits KL term (the term is multiplied by T^2).
+        distill_target: ``"logits"`` (KL between the heads' distributions), ``"hidden"`` (final hidden states and
+            mean-pooled embeddings, for base / embedding models) or ``"auto"`` (logits when the model has a head).
+        primal_learning_rate: learning rate of the new primal parameters (W_e, W_r, Lambda, head map); the
+            default is ``PRIMAL_LR_MULTIPLIER`` times ``args.learning_rate``. Everything else uses
+            ``args.learning_rate``. Override `create_optimizer` as with any Trainer for other groupings.
         All other arguments are those of `transformers.Trainer`.
 
-    Logs ``ksvd_loss`` and ``task_loss`` at every logging step (so they reach ``state.log_history``, the progress
-    bar and reporters such as TensorBoard) and ``eval_ksvd_loss`` at evaluation.
+    Logs ``ksvd_loss``, ``task_loss`` (and ``distill_loss`` with a teacher) at every logging step (so they reach
+    ``state.log_history``, the progress bar and reporters such as TensorBoard) and ``eval_ksvd_loss`` at evaluation.
     """
 
-    def __init__(self, *args: Any, ksvd_weight: Optional[float] = None, ksvd_reduction: Optional[str] = None, **kwargs: Any):
+    def __init__(
+        self,
+        *args: Any,
+        ksvd_weight: Optional[float] = None,
+        ksvd_reduction: Optional[str] = None,
+        teacher: Optional[nn.Module] = None,
+        distill_weight: Optional[float] = None,
+        distill_temperature: float = 2.0,
+        distill_target: str = "auto",
+        primal_learning_rate: Optional[float] = None,
+        **kwargs: Any,
+    ):
         super().__init__(*args, **kwargs)
         inner = primal_model(self.model)
         spec = getattr(getattr(inner, "config", None), "primal_attention", None)
@@ -76,10 +108,87 @@ class PrimalTrainer(Trainer):
             # Every parameter gets a gradient each step (the KSVD term reaches Lambda even when eta == 0), so DDP
             # need not search the graph for unused ones.
             self.args.ddp_find_unused_parameters = False
+        self._setup_teacher(teacher, distill_weight, distill_temperature, distill_target)
+        if primal_learning_rate is not None and not (
+            isinstance(primal_learning_rate, (int, float)) and not isinstance(primal_learning_rate, bool)
+            and 0 < primal_learning_rate < float("inf")
+        ):
+            raise ValueError(
+                f"PrimalTrainer: primal_learning_rate={primal_learning_rate!r} is not allowed: it must be a number > 0."
+            )
+        self.primal_learning_rate = (
+            float(primal_learning_rate) if primal_learning_rate is not None
+            else PRIMAL_LR_MULTIPLIER * self.args.learning_rate
+        )
         self._ksvd_sum = torch.zeros((), dtype=torch.float64)
+        self._distill_sum = torch.zeros((), dtype=torch.float64)
         self._task_sum = torch.zeros((), dtype=torch.float64)
         self._micro_batches = 0
         self._eval_ksvd: list[torch.Tensor] = []
+
+    # ------------------------------------------------------------------ teacher and optimizer
+    def _setup_teacher(self, teacher, weight, temperature, target) -> None:
+        self.teacher = teacher
+        if teacher is None:
+            if weight not in (None, 0, 0.0):
+                raise ValueError(f"PrimalTrainer: distill_weight={weight!r} needs a teacher=... model to distil from.")
+            self.distill_weight = 0.0
+            return
+        weight = 1.0 if weight is None else weight
+        for name, value, positive in (("distill_weight", weight, False), ("distill_temperature", temperature, True)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 <= value < float("inf")) or (
+                positive and value == 0
+            ):
+                allowed = "> 0" if positive else ">= 0"
+                raise ValueError(f"PrimalTrainer: {name}={value!r} is not allowed: it must be a finite number {allowed}.")
+        self.distill_weight = float(weight)
+        self.distill_temperature = float(temperature)
+        self.distill_target = resolve_target(self.model, target)
+        check_compatible(self.model, teacher, self.distill_target)
+        if teacher is self.model or any(p is q for p in teacher.parameters() for q in self.model.parameters()):
+            raise ValueError("PrimalTrainer: the teacher shares parameters with the model; pass a separate (frozen) copy.")
+        # Not a submodule of the model: Trainer neither optimises nor saves it.
+        teacher.to(self.args.device)
+        teacher.eval()
+        for p in teacher.parameters():
+            p.requires_grad_(False)
+
+    def create_optimizer(self, model=None):
+        """Trainer's optimizer with one more parameter group: the primal parameters at `primal_learning_rate`."""
+        if self.optimizer is not None:
+            return self.optimizer
+        opt_model = self.model if model is None else model
+        named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
+        if not any(is_primal_parameter(n) for n, _ in named):
+            return super().create_optimizer(model)
+        decay = set(self.get_decay_parameter_names(opt_model))
+        groups = [
+            {"params": [p for n, p in named if not is_primal_parameter(n) and n in decay],
+             "weight_decay": self.args.weight_decay},
+            {"params": [p for n, p in named if not is_primal_parameter(n) and n not in decay], "weight_decay": 0.0},
+            {"params": [p for n, p in named if is_primal_parameter(n)], "weight_decay": 0.0,
+             "lr": self.primal_learning_rate},
+        ]
+        if self.optimizer_cls_and_kwargs is not None:
+            optimizer_cls, optimizer_kwargs = self.optimizer_cls_and_kwargs
+        else:
+            optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+        if any(key in optimizer_kwargs for key in ("params", "model", "optimizer_dict")) or not isinstance(optimizer_cls, type):
+            raise ValueError(
+                f"PrimalTrainer: optim={self.args.optim!r} builds its own parameter groups, so the primal learning rate "
+                "cannot be applied; pass optimizers=(...) or override create_optimizer."
+            )
+        self.optimizer = optimizer_cls([g for g in groups if g["params"]], **optimizer_kwargs)
+        return self.optimizer
+
+    def _distill_term(self, model, inputs, outputs) -> torch.Tensor:
+        teacher_inputs = {k: v for k, v in inputs.items() if k != "labels"}
+        with torch.no_grad():
+            self.teacher.eval()
+            teacher_out = self.teacher(**teacher_inputs)
+        return student_teacher_loss(
+            outputs, teacher_out, inputs.get("attention_mask"), self.distill_target, self.distill_temperature
+        )
 
     # ------------------------------------------------------------------ loss
     def _loss_is_scaled(self, num_items_in_batch) -> bool:
@@ -88,9 +197,15 @@ class PrimalTrainer(Trainer):
         return bool((self.model_accepts_loss_kwargs and num_items_in_batch is not None) or self.compute_loss_func is not None)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        distilling = self.teacher is not None and model.training
+        if distilling and self.distill_target == "hidden" and resolve_target(model, "auto") == "logits":
+            inputs = {**inputs, "output_hidden_states": True}  # heads expose the final states only on request
         task_loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
         if not model.training:
             return (task_loss, outputs) if return_outputs else task_loss
+        if distilling:
+            inputs.pop("output_hidden_states", None)
+            distill = self._distill_term(model, inputs, outputs)
         ksvd = ksvd_from_terms(collect_ksvd_terms(model), self.ksvd_reduction)
         if self.ksvd_weight > 0 and not ksvd.requires_grad and torch.is_grad_enabled() and task_loss.requires_grad:
             raise RuntimeError(
@@ -104,6 +219,9 @@ class PrimalTrainer(Trainer):
         steps = max(int(getattr(self, "current_gradient_accumulation_steps", 1) or 1), 1)
         factor = 1.0 / steps if scaled else 1.0
         loss = task_loss + (self.ksvd_weight * factor) * ksvd.to(task_loss.dtype)
+        if distilling:
+            loss = loss + (self.distill_weight * factor) * distill.to(task_loss.dtype)
+            self._distill_sum += distill.detach().double().cpu()
         self._ksvd_sum += ksvd.detach().double().cpu()
         # What this micro-batch adds to the optimizer step's task loss, in the units Trainer logs "loss" in.
         self._task_sum += (task_loss.detach().double() * (1.0 if scaled else 1.0 / steps)).cpu()
@@ -137,11 +255,15 @@ class PrimalTrainer(Trainer):
             local = torch.stack([
                 self._ksvd_sum / self._micro_batches,
                 self._task_sum / (self._micro_batches / steps),
+                self._distill_sum / self._micro_batches,
             ]).to(self.args.device, torch.float32)
             gathered = self.accelerator.gather(local[None]).mean(dim=0)
             logs["ksvd_loss"] = round(float(gathered[0]), 6)
             logs["task_loss"] = round(float(gathered[1]), 6)
+            if self.teacher is not None:
+                logs["distill_loss"] = round(float(gathered[2]), 6)
             self._ksvd_sum.zero_()
             self._task_sum.zero_()
+            self._distill_sum.zero_()
             self._micro_batches = 0
         super().log(logs, start_time)
