@@ -380,14 +380,22 @@ class PrimalGPT2Config(GPT2Config):
     primal_attention = None
 
 
+def _card_auto_class(model) -> str:
+    """The Auto class that loads `model`'s own head, read from the auto_map (which lists every head)."""
+    auto_map = getattr(model.config, "auto_map", None) or {}
+    name = (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
+    matches = [k for k, v in auto_map.items() if k != "AutoConfig" and str(v).rsplit(".", 1)[-1] == name]
+    specific = [k for k in matches if k not in ("AutoModel", "AutoModelForPreTraining", "AutoModelForTextEncoding")]
+    return (specific or matches or ["AutoModel"])[0]
+
+
 def model_card(model) -> str:
     """README.md for a shared primal checkpoint: what was converted, with what settings, and how to load it."""
     spec = PrimalAttentionConfig.coerce(model.config.primal_attention)
     layers = [name for name, m in model.named_modules() if getattr(m, "_is_primal_attention", False)]
     base = getattr(model.config, "_name_or_path", "") or "unknown"
     report = getattr(model, "primal_conversion_report", None) or {}
-    auto_map = getattr(model.config, "auto_map", None) or {}
-    auto = next((k for k in auto_map if k not in ("AutoConfig", "AutoModel")), "AutoModel")
+    auto = _card_auto_class(model)
     lines = [
         "---",
         "library_name: transformers",
@@ -424,7 +432,11 @@ def model_card(model) -> str:
         f"model = {auto}.from_pretrained(\"<this folder or repo id>\", trust_remote_code=True)",
         "```",
         "",
-        "With hf_primal installed, `import hf_primal` first and `trust_remote_code` is not needed.",
+        "Every Auto class listed in the `auto_map` of config.json loads it the same way (a head the checkpoint does",
+        "not have is initialised as usual), and so do pipelines: `pipeline(task, model=..., trust_remote_code=True)`.",
+        "",
+        "With hf_primal installed, `import hf_primal` first and `trust_remote_code` is not needed (also not for",
+        "`AutoTokenizer`, which reads config.json and would otherwise ask whether to run the custom code).",
         "Loading through the Auto classes with neither fails on the unknown model type instead of silently",
         "building a stock model. Do not load it with a stock class such as `BertModel` directly: transformers",
         "would only warn about the model type and leave the primal layers without their weights.",

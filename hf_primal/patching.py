@@ -1,6 +1,6 @@
 """How `import hf_primal` attaches primal layers to transformers models.
 
-Three hooks, installed once, each a no-op for models whose config does not ask for primal attention:
+Hooks, installed once, each a no-op for models whose config does not ask for primal attention:
 
 * ``PreTrainedConfig.primal_attention = None`` (class attribute) so ``from_pretrained(...,
   primal_attention=...)`` routes the kwarg into the config instead of the model's ``__init__``; the value
@@ -8,7 +8,12 @@ Three hooks, installed once, each a no-op for models whose config does not ask f
   and when it is serialised (configs are strict dataclasses whose ``__setattr__`` cannot be wrapped);
 * ``PreTrainedModel.post_init`` converts the selected layers *before* transformers initialises and loads
   weights, so the loader reports exactly the new primal tensors as missing and fills the q/k/out ones;
-* ``PreTrainedModel._init_weights`` initialises the new primal parameters (method spec §5).
+* ``PreTrainedModel._init_weights`` initialises the new primal parameters (method spec §5);
+* ``PreTrainedModel.save_pretrained`` writes every primal model in the shareable form (``model_type="primal_<arch>"``,
+  ``auto_map``, remote code, model card; `hub.save_shareable`), so that no saved primal model loads as a softmax
+  model where hf_primal is not imported;
+* ``PreTrainedConfig.get_config_dict`` lets a stock config class (``BertConfig``, so ``BertModel.from_pretrained``)
+  read such a folder without transformers' model-type warning: with the hooks installed that load is exact.
 
 Nothing global changes behaviour: a model without ``config.primal_attention`` runs stock code.
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 from transformers import PreTrainedConfig, PreTrainedModel
 
 from .config import PrimalAttentionConfig
+from .hub import save_shareable
 from .modeling_primal import apply_primal_attention, init_primal_core
 
 _INSTALLED = False
@@ -88,7 +94,27 @@ def install_hooks() -> None:
         _check_primal_shapes(model, load_config, loading_info)
         return original_finalize(model, load_config, loading_info)
 
+    original_save_pretrained = PreTrainedModel.save_pretrained
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        # Adapter-only saves (transformers' own PEFT integration) write no config.json to make shareable.
+        if getattr(self.config, "primal_attention", None) is None or getattr(self, "_hf_peft_config_loaded", False):
+            return original_save_pretrained(self, save_directory, *args, **kwargs)
+        return save_shareable(self, original_save_pretrained, save_directory, *args, **kwargs)
+
+    original_get_config_dict = PreTrainedConfig.get_config_dict.__func__
+
+    def get_config_dict(cls, *args, **kwargs):
+        config_dict, unused = original_get_config_dict(cls, *args, **kwargs)
+        # "primal_bert" read by BertConfig: same fields, and the hooks rebuild the primal layers from
+        # primal_attention, so transformers' "model of type primal_bert ... type bert" warning would be noise.
+        if cls.model_type and config_dict.get("model_type") == f"primal_{cls.model_type}":
+            config_dict = {**config_dict, "model_type": cls.model_type}
+        return config_dict, unused
+
     PreTrainedModel._finalize_model_loading = staticmethod(_finalize_model_loading)
+    PreTrainedModel.save_pretrained = save_pretrained
+    PreTrainedConfig.get_config_dict = classmethod(get_config_dict)
     PreTrainedConfig.primal_attention = None
     PreTrainedConfig.__post_init__ = __post_init__
     PreTrainedConfig.to_dict = to_dict
