@@ -7,19 +7,8 @@
     model = AutoModelForSequenceClassification.from_pretrained(path, primal_attention={"layers": [-1]})
 """
 
-from .analysis import LayerSpectrum, attention_spectrum, plot_attention_spectrum
-from .config import PrimalAttentionConfig
-from .convert import convert
-from .hub import enable_remote_code, register_auto_classes, save_converted
-from .lora import lora_config
-from .loss import clear_ksvd_terms, ksvd_loss
-from .modeling_primal import SUPPORTED_ARCHITECTURES, apply_primal_attention, primal_layers
-from .patching import install_hooks
-from .primal import KSVDTerms, PrimalCore
-from .trainer import PrimalTrainer
-
-install_hooks()
-register_auto_classes()
+import os
+import sys
 
 __version__ = "0.1.0"
 
@@ -41,3 +30,55 @@ __all__ = [
     "attention_spectrum",
     "plot_attention_spectrum",
 ]
+
+_LOADED = False
+
+
+def _import_all() -> None:
+    """Import the API (torch, transformers) and install the hooks; idempotent."""
+    global _LOADED
+    if _LOADED:
+        return
+    from .analysis import LayerSpectrum, attention_spectrum, plot_attention_spectrum
+    from .config import PrimalAttentionConfig
+    from .convert import convert
+    from .hub import enable_remote_code, register_auto_classes, save_converted
+    from .lora import lora_config
+    from .loss import clear_ksvd_terms, ksvd_loss
+    from .modeling_primal import SUPPORTED_ARCHITECTURES, apply_primal_attention, primal_layers
+    from .patching import install_hooks
+    from .primal import KSVDTerms, PrimalCore
+    from .trainer import PrimalTrainer
+
+    # Bind after every import: importing a submodule sets a package attribute of the same name (`convert`).
+    globals().update({name: value for name, value in locals().items() if name in __all__})
+    install_hooks()
+    register_auto_classes()
+    _LOADED = True
+
+
+def _started_as_cli() -> bool:
+    """True while the `hf-primal` script or ``python -m hf_primal.cli`` is starting up.
+
+    That process runs only the CLI, which calls `_import_all` before any command, so `--help` and argument errors
+    answer without importing torch and transformers (seconds). Every other ``import hf_primal`` is eager: the hooks
+    must be in place before the user builds a model.
+    """
+    argv = getattr(sys, "argv", None) or [""]
+    script = os.path.splitext(os.path.basename(argv[0]))[0]
+    if script in ("hf-primal", "hf-primal-script"):
+        return True
+    # Under `python -m`, sys.argv[0] is "-m" while the parent packages of the target module are imported.
+    return argv[0] == "-m" and "hf_primal.cli" in getattr(sys, "orig_argv", ())
+
+
+def __getattr__(name: str):
+    # Only reached in a CLI process before `_import_all` ran (elsewhere everything is imported eagerly).
+    if name in __all__:
+        _import_all()
+        return globals()[name]
+    raise AttributeError(f"module 'hf_primal' has no attribute {name!r}")
+
+
+if not _started_as_cli():
+    _import_all()

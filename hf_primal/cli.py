@@ -1,11 +1,27 @@
-"""`hf-primal` command line: demo, convert, layers."""
+"""`hf-primal` command line: demo, convert, layers.
+
+Only the standard library is imported at module level: `--help` and argument errors answer without loading torch
+and transformers (see `hf_primal._started_as_cli`). Each command imports what it needs.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
-from typing import Optional, Sequence
+import traceback
+from typing import NoReturn, Optional, Sequence
+
+
+class CLIError(Exception):
+    """An error the user can act on: printed as one line, exit status 1."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # One line (argparse would print the whole usage block first); --help has the usage.
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _layers(value: str):
@@ -20,32 +36,73 @@ def _layers(value: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-primal", description="Primal-Attention for HuggingFace Transformers")
-    sub = parser.add_subparsers(dest="command", required=True)
+    """The argument parser of `hf-primal` (standard library only)."""
+    debug = _Parser(add_help=False)
+    # SUPPRESS: a subcommand's default must not overwrite `hf-primal --debug convert ...`.
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show the full traceback when a command fails")
+    parser = _Parser(prog="hf-primal", description="Primal-Attention for HuggingFace Transformers", parents=[debug])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    demo = sub.add_parser("demo", help="convert + calibrate + fine-tune the embedded all-MiniLM-L6-v2 (offline)")
-    demo.add_argument("--output-dir", default="hf_primal_demo")
+    demo = sub.add_parser("demo", parents=[debug], help="convert + calibrate + fine-tune the embedded all-MiniLM-L6-v2 (offline)",
+                          description="Convert, calibrate and fine-tune the embedded all-MiniLM-L6-v2, offline.")
+    demo.add_argument("--output-dir", default="hf_primal_demo", help="folder for the converted model and the results")
     demo.add_argument("--quick", action="store_true", help="reduced sizes (about a minute)")
-    demo.add_argument("--low-rank", type=int, default=30)
-    demo.add_argument("--rank-multi", type=int, default=10)
-    demo.add_argument("--eta", type=float, default=0.1)
+    demo.add_argument("--low-rank", type=int, default=30, help="low_rank s of the primal layer (default 30)")
+    demo.add_argument("--rank-multi", type=int, default=10, help="rank_multi m of the primal layer (default 10)")
+    demo.add_argument("--eta", type=float, default=0.1, help="weight of the KSVD loss while fine-tuning (default 0.1)")
 
-    conv = sub.add_parser("convert", help="convert a stock BERT / ViT / GPT-2 checkpoint to Primal-Attention")
+    conv = sub.add_parser("convert", parents=[debug], help="convert a stock BERT / ViT / GPT-2 checkpoint to Primal-Attention",
+                          description="Convert a stock BERT / ViT / GPT-2 checkpoint to Primal-Attention and save a "
+                                      "shareable folder (weights, config, remote code, model card, tokenizer).")
     conv.add_argument("src", help="local model folder (or Hub id where the network allows)")
     conv.add_argument("out", help="output folder")
     conv.add_argument("--layers", type=_layers, default=[-1], help="'all' or indices, e.g. -1 or 0,3 (default -1)")
-    conv.add_argument("--low-rank", type=int, default=30)
-    conv.add_argument("--rank-multi", type=int, default=10)
-    conv.add_argument("--eta", type=float, default=0.1)
+    conv.add_argument("--low-rank", type=int, default=30, help="low_rank s: rank of the primal projections (default 30)")
+    conv.add_argument("--rank-multi", type=int, default=10,
+                      help="rank_multi m: encoders sample s*m tokens for the data-dependent weights (default 10)")
+    conv.add_argument("--eta", type=float, default=0.1, help="KSVD loss weight stored in the config for training (default 0.1)")
     conv.add_argument("--calibration", help="text file (one example per line) or .pt file of pixel_values for attention transfer")
-    conv.add_argument("--calibration-steps", type=int, default=300)
-    conv.add_argument("--calibration-target", choices=["layer", "attention"], default="layer")
+    conv.add_argument("--calibration-steps", type=int, default=300, help="Adam steps per converted layer (default 300)")
+    conv.add_argument("--calibration-target", choices=["layer", "attention"], default="layer",
+                      help="fit the whole transformer block's output (layer, default) or the attention module's")
     conv.add_argument("--max-length", type=int, default=128, help="token limit for text calibration")
     conv.add_argument("--push-to-hub", metavar="REPO_ID", help="upload the output folder to this Hub repository")
 
-    layers = sub.add_parser("layers", help="list the primal attention layers of a saved model")
-    layers.add_argument("path")
+    layers = sub.add_parser("layers", parents=[debug], help="list the primal attention layers of a saved model",
+                            description="List the primal attention layers of a saved model (exit status 1 if none).")
+    layers.add_argument("path", help="model folder (or Hub id where the network allows)")
     return parser
+
+
+# A Hub id is "name" or "namespace/name"; anything else with a separator can only be a folder.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+
+
+def _looks_like_path(src: str) -> bool:
+    if src.startswith((".", "~")) or os.path.isabs(src):
+        return True
+    separators = {os.sep, os.altsep} - {None, "/"}
+    return any(sep in src for sep in separators) or not _HUB_ID.match(src)
+
+
+def check_source(src: str) -> None:
+    """Refuse a SRC that is neither a model folder nor shaped like a Hub id, without contacting the Hub."""
+    path = os.path.expanduser(src)
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise CLIError(f"{src}: not a model folder (it has no config.json)")
+        return
+    if os.path.exists(path):
+        raise CLIError(f"{src}: is a file; expected a model folder")
+    if _looks_like_path(src):
+        raise CLIError(f"{src}: no such folder")
+
+
+def _load_failed(src: str, error: Exception) -> CLIError:
+    if os.path.isdir(os.path.expanduser(src)):
+        return CLIError(f"cannot load {src}: {error}")
+    return CLIError(f"{src}: no such folder, and loading it as a Hub id failed: {error}")
 
 
 def _load_for_conversion(src: str):
@@ -53,7 +110,10 @@ def _load_for_conversion(src: str):
     import transformers
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(src)
+    try:
+        config = AutoConfig.from_pretrained(src)
+    except (OSError, ValueError) as error:
+        raise _load_failed(src, error) from error
     architecture = (getattr(config, "architectures", None) or [None])[0]
     model_class = getattr(transformers, architecture, None) if architecture else None
     if model_class is None:
@@ -72,17 +132,19 @@ def _load_for_conversion(src: str):
 def _calibration_batches(path: str, model, processor, max_length: int, batch_size: int = 16):
     import torch
 
+    if not os.path.isfile(path):
+        raise CLIError(f"--calibration {path}: no such file")
     if path.endswith(".pt"):
         pixels = torch.load(path)
         return [{"pixel_values": pixels[i:i + batch_size]} for i in range(0, len(pixels), batch_size)]
     if processor is None or not hasattr(processor, "__call__") or not hasattr(processor, "pad_token"):
-        raise SystemExit(f"--calibration {path}: a text file needs a tokenizer saved in SRC")
+        raise CLIError(f"--calibration {path}: a text file needs a tokenizer saved in SRC")
     if processor.pad_token is None:
         processor.pad_token = processor.eos_token
     with open(path, encoding="utf-8") as handle:
         lines = [line.strip() for line in handle if line.strip()]
     if not lines:
-        raise SystemExit(f"--calibration {path}: the file has no non-empty lines")
+        raise CLIError(f"--calibration {path}: the file has no non-empty lines")
     return [dict(processor(lines[i:i + batch_size], padding=True, truncation=True, max_length=max_length,
                            return_tensors="pt")) for i in range(0, len(lines), batch_size)]
 
@@ -102,42 +164,96 @@ def push_folder(folder: str, repo_id: str) -> None:
     api.create_commit(repo_id=repo_id, operations=operations, commit_message="Upload Primal-Attention model (hf_primal)")
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+def _plugin():
     import hf_primal
 
-    if args.command == "demo":
-        from .demo import run_demo
+    hf_primal._import_all()  # the CLI process starts with a light `hf_primal` (fast --help)
+    return hf_primal
 
-        run_demo(args.output_dir, quick=args.quick, low_rank=args.low_rank, rank_multi=args.rank_multi, eta=args.eta)
-        return 0
-    if args.command == "convert":
-        spec = hf_primal.PrimalAttentionConfig(layers=args.layers, low_rank=args.low_rank, rank_multi=args.rank_multi,
-                                               eta=args.eta)
-        model, processor = _load_for_conversion(args.src)
-        data = _calibration_batches(args.calibration, model, processor, args.max_length) if args.calibration else None
-        model = hf_primal.convert(model, spec, calibration_data=data, steps=args.calibration_steps,
-                                  target=args.calibration_target)
-        if data is not None:
-            model.primal_conversion_report["calibration"] = (
-                f"{os.path.basename(args.calibration)}; " + model.primal_conversion_report["calibration"]
-            )
-        hf_primal.save_converted(model, args.out, processor=processor)
-        print(f"converted {len(hf_primal.primal_layers(model))} layer(s) of {args.src} -> {args.out}")
-        for row in model.primal_conversion_report["layers"]:
-            print(f"  {row['layer']}: relative output error {row['error_before']:.4f} -> {row['error_after']:.4f}")
-        if args.push_to_hub:
-            push_folder(args.out, args.push_to_hub)
-            print(f"pushed {args.out} to {args.push_to_hub}")
-        return 0
-    if args.command == "layers":
-        from transformers import AutoModel
 
+def _demo(args: argparse.Namespace) -> int:
+    _plugin()
+    from .demo import run_demo
+
+    run_demo(args.output_dir, quick=args.quick, low_rank=args.low_rank, rank_multi=args.rank_multi, eta=args.eta)
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    check_source(args.src)
+    hf_primal = _plugin()
+    spec = hf_primal.PrimalAttentionConfig(layers=args.layers, low_rank=args.low_rank, rank_multi=args.rank_multi,
+                                           eta=args.eta)
+    model, processor = _load_for_conversion(args.src)
+    data = _calibration_batches(args.calibration, model, processor, args.max_length) if args.calibration else None
+    model = hf_primal.convert(model, spec, calibration_data=data, steps=args.calibration_steps,
+                              target=args.calibration_target)
+    if data is not None:
+        model.primal_conversion_report["calibration"] = (
+            f"{os.path.basename(args.calibration)}; " + model.primal_conversion_report["calibration"]
+        )
+    hf_primal.save_converted(model, args.out, processor=processor)
+    print(f"converted {len(hf_primal.primal_layers(model))} layer(s) of {args.src} -> {args.out}")
+    for row in model.primal_conversion_report["layers"]:
+        print(f"  {row['layer']}: relative output error {row['error_before']:.4f} -> {row['error_after']:.4f}")
+    if args.push_to_hub:
+        push_folder(args.out, args.push_to_hub)
+        print(f"pushed {args.out} to {args.push_to_hub}")
+    return 0
+
+
+def _list_layers(args: argparse.Namespace) -> int:
+    check_source(args.path)
+    hf_primal = _plugin()
+    from transformers import AutoModel
+    from transformers.utils import logging as hf_logging
+
+    # Listing needs no load report or progress bar (a stock checkpoint loaded as AutoModel reports its head).
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
         model = AutoModel.from_pretrained(args.path)
-        for name in hf_primal.primal_layers(model):
-            print(name)
-        return 0
-    return 1
+    except (OSError, ValueError) as error:
+        raise _load_failed(args.path, error) from error
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+    names = hf_primal.primal_layers(model)
+    if not names:
+        raise CLIError(f"no primal layers in {args.path} (its config.json has no primal_attention)")
+    for name in names:
+        print(name)
+    return 0
+
+
+_COMMANDS = {"demo": _demo, "convert": _convert, "layers": _list_layers}
+
+
+def _one_line(error: BaseException, limit: int = 400) -> str:
+    text = " ".join(str(error).split()) or type(error).__name__
+    if not isinstance(error, CLIError):
+        text = f"{type(error).__name__}: {text}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run `hf-primal`; returns the exit status (errors: one line on stderr, status 1; --debug: the traceback)."""
+    args = build_parser().parse_args(argv)
+    debug = getattr(args, "debug", False)
+    try:
+        return _COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        print(f"hf-primal {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:
+        if debug:
+            traceback.print_exc()
+        else:
+            hint = "" if isinstance(error, CLIError) else " (--debug shows the traceback)"
+            print(f"hf-primal {args.command}: error: {_one_line(error)}{hint}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
