@@ -11,7 +11,7 @@ Hooks, installed once, each a no-op for models whose config does not ask for pri
 * ``PreTrainedModel._init_weights`` initialises the new primal parameters (method spec §5);
 * ``PreTrainedModel.save_pretrained`` writes every primal model in the shareable form (``model_type="primal_<arch>"``,
   ``auto_map``, remote code, model card; `hub.save_shareable`), so that no saved primal model loads as a softmax
-  model where hf_primal is not imported;
+  model where hf_primal is not imported; ``push_to_hub`` uploads that folder with its model card;
 * ``PreTrainedConfig.get_config_dict`` lets a stock config class (``BertConfig``, so ``BertModel.from_pretrained``)
   read such a folder without transformers' model-type warning: with the hooks installed that load is exact.
 
@@ -24,7 +24,7 @@ from transformers import PreTrainedConfig, PreTrainedModel
 
 from .config import PrimalAttentionConfig
 from .hub import save_shareable
-from .modeling_primal import apply_primal_attention, init_primal_core
+from .modeling_primal import PrimalModelMixin, apply_primal_attention, init_primal_core
 
 _INSTALLED = False
 
@@ -102,6 +102,14 @@ def install_hooks() -> None:
             return original_save_pretrained(self, save_directory, *args, **kwargs)
         return save_shareable(self, original_save_pretrained, save_directory, *args, **kwargs)
 
+    original_push_to_hub = PreTrainedModel.push_to_hub
+
+    def push_to_hub(self, *args, **kwargs):
+        # Upload what save_pretrained writes, model card included (transformers would put a generic card over it).
+        if getattr(self.config, "primal_attention", None) is None or getattr(self, "_hf_peft_config_loaded", False):
+            return original_push_to_hub(self, *args, **kwargs)
+        return PrimalModelMixin.push_to_hub(self, *args, **kwargs)
+
     original_get_config_dict = PreTrainedConfig.get_config_dict.__func__
 
     def get_config_dict(cls, *args, **kwargs):
@@ -114,6 +122,7 @@ def install_hooks() -> None:
 
     PreTrainedModel._finalize_model_loading = staticmethod(_finalize_model_loading)
     PreTrainedModel.save_pretrained = save_pretrained
+    PreTrainedModel.push_to_hub = push_to_hub
     PreTrainedConfig.get_config_dict = classmethod(get_config_dict)
     PreTrainedConfig.primal_attention = None
     PreTrainedConfig.__post_init__ = __post_init__

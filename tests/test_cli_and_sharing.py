@@ -239,6 +239,17 @@ def test_plain_save_pretrained_writes_the_shareable_form(tmp_path):
     assert torch.equal(torch.load(tmp_path / "remote.pt"), logits)
 
 
+def test_push_to_hub_of_a_stock_class_primal_model_uploads_the_shareable_folder(tmp_path, monkeypatch):
+    from tests.test_convert_hub import _intercept
+
+    fake = _intercept(monkeypatch, tmp_path)
+    BertForSequenceClassification(bert_config(primal_attention={"layers": [-1], "low_rank": 4})).push_to_hub("me/primal")
+    [(repo_id, files, folder)] = fake.commits
+    assert repo_id == "me/primal" and {"config.json", "model.safetensors", "modeling_primal.py", "README.md"} <= set(files)
+    assert json.loads(open(os.path.join(folder, "config.json")).read())["model_type"] == "primal_bert"
+    assert "trust_remote_code=True" in open(os.path.join(folder, "README.md")).read()  # hf_primal's card, not a generic one
+
+
 def test_stock_models_still_save_stock(tmp_path):
     BertModel(bert_config()).save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
