@@ -44,10 +44,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hf-primal", description="Primal-Attention for HuggingFace Transformers", parents=[debug])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    demo = sub.add_parser("demo", parents=[debug], help="convert + calibrate + fine-tune the embedded all-MiniLM-L6-v2 (offline)",
-                          description="Convert, calibrate and fine-tune the embedded all-MiniLM-L6-v2, offline.")
-    demo.add_argument("--output-dir", default="hf_primal_demo", help="folder for the converted model and the results")
-    demo.add_argument("--quick", action="store_true", help="reduced sizes (about a minute)")
+    demo = sub.add_parser("demo", parents=[debug],
+                          help="the recommended recipe on the embedded all-MiniLM-L6-v2: convert with distillation, "
+                               "then fine-tune (offline, about 5 minutes)",
+                          description="Convert the embedded all-MiniLM-L6-v2 with distillation from the original, "
+                                      "fine-tune it next to the stock model, and save a shareable folder (offline).")
+    demo.add_argument("--output", "--output-dir", dest="output_dir", default=None,
+                      help="folder for the converted model and demo_results.json (default ~/.cache/hf_primal/demo, "
+                           "or demo-quick with --quick; $HF_PRIMAL_HOME replaces ~/.cache/hf_primal)")
+    demo.add_argument("--quick", action="store_true", help="smoke test with reduced sizes (about a minute); its "
+                                                           "figures say nothing about the method")
     demo.add_argument("--low-rank", type=int, default=30, help="low_rank s of the primal layer (default 30)")
     demo.add_argument("--rank-multi", type=int, default=10, help="rank_multi m of the primal layer (default 10)")
     demo.add_argument("--eta", type=float, default=0.1, help="weight of the KSVD loss while fine-tuning (default 0.1)")
@@ -62,10 +68,21 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--rank-multi", type=int, default=10,
                       help="rank_multi m: encoders sample s*m tokens for the data-dependent weights (default 10)")
     conv.add_argument("--eta", type=float, default=0.1, help="KSVD loss weight stored in the config for training (default 0.1)")
-    conv.add_argument("--calibration", help="text file (one example per line) or .pt file of pixel_values for attention transfer")
-    conv.add_argument("--calibration-steps", type=int, default=300, help="Adam steps per converted layer (default 300)")
+    conv.add_argument("--calibration", metavar="FILE",
+                      help="unlabeled data to adapt on: a text file (one example per line) or a .pt file of pixel_values")
+    conv.add_argument("--method", choices=["distill", "transfer"], default="distill",
+                      help="with --calibration: distil the whole model from the original (distill, default, "
+                           "recommended) or fit each converted block alone (transfer)")
+    conv.add_argument("--steps", "--calibration-steps", dest="steps", type=int, default=None,
+                      help="optimizer steps: distillation in all (default 4 passes over the data) or attention "
+                           "transfer per layer (default 300)")
+    conv.add_argument("--learning-rate", type=float, default=None,
+                      help="learning rate of the pretrained weights (distill, default 1e-4) or of attention transfer "
+                           "(default 3e-3)")
+    conv.add_argument("--batch-size", type=int, default=32, help="calibration batch size (default 32)")
     conv.add_argument("--calibration-target", choices=["layer", "attention"], default="layer",
-                      help="fit the whole transformer block's output (layer, default) or the attention module's")
+                      help="--method transfer: fit the whole transformer block's output (layer, default) or the "
+                           "attention module's")
     conv.add_argument("--max-length", type=int, default=128, help="token limit for text calibration")
     conv.add_argument("--push-to-hub", metavar="REPO_ID", help="upload the output folder to this Hub repository")
 
@@ -129,8 +146,10 @@ def _load_for_conversion(src: str):
     return model, processor
 
 
-def _calibration_batches(path: str, model, processor, max_length: int, batch_size: int = 16):
+def _calibration_batches(path: str, processor, max_length: int, batch_size: int = 32):
     import torch
+
+    from .convert import text_batches
 
     if not os.path.isfile(path):
         raise CLIError(f"--calibration {path}: no such file")
@@ -145,8 +164,7 @@ def _calibration_batches(path: str, model, processor, max_length: int, batch_siz
         lines = [line.strip() for line in handle if line.strip()]
     if not lines:
         raise CLIError(f"--calibration {path}: the file has no non-empty lines")
-    return [dict(processor(lines[i:i + batch_size], padding=True, truncation=True, max_length=max_length,
-                           return_tensors="pt")) for i in range(0, len(lines), batch_size)]
+    return text_batches(processor, lines, batch_size, max_length)
 
 
 def push_folder(folder: str, repo_id: str) -> None:
@@ -185,17 +203,26 @@ def _convert(args: argparse.Namespace) -> int:
     spec = hf_primal.PrimalAttentionConfig(layers=args.layers, low_rank=args.low_rank, rank_multi=args.rank_multi,
                                            eta=args.eta)
     model, processor = _load_for_conversion(args.src)
-    data = _calibration_batches(args.calibration, model, processor, args.max_length) if args.calibration else None
-    model = hf_primal.convert(model, spec, calibration_data=data, steps=args.calibration_steps,
-                              target=args.calibration_target)
+    data = _calibration_batches(args.calibration, processor, args.max_length, args.batch_size) if args.calibration else None
+    model = hf_primal.convert(model, spec, calibration_data=data, method=args.method, steps=args.steps,
+                              learning_rate=args.learning_rate, target=args.calibration_target)
     if data is not None:
         model.primal_conversion_report["calibration"] = (
             f"{os.path.basename(args.calibration)}; " + model.primal_conversion_report["calibration"]
         )
     hf_primal.save_converted(model, args.out, processor=processor)
     print(f"converted {len(hf_primal.primal_layers(model))} layer(s) of {args.src} -> {args.out}")
-    for row in model.primal_conversion_report["layers"]:
+    report = model.primal_conversion_report
+    for row in report["layers"]:
         print(f"  {row['layer']}: relative output error {row['error_before']:.4f} -> {row['error_after']:.4f}")
+    if "distillation" in report:
+        d = report["distillation"]
+        cos = (f", mean-pooled embedding cosine {d['cosine_before']:.4f} -> {d['cosine_after']:.4f}"
+               if d.get("cosine_after") is not None else "")
+        print(f"  distillation: held-out loss {d['loss_before']:.4f} -> {d['loss_after']:.4f}{cos} "
+              f"(kept step {d['best_step']} of {d['steps']}, {d['seconds']:.0f} s)")
+    if report.get("verdict"):
+        print(f"  {report['verdict']}")
     if args.push_to_hub:
         push_folder(args.out, args.push_to_hub)
         print(f"pushed {args.out} to {args.push_to_hub}")

@@ -116,7 +116,7 @@ def convert(
     config: Union[PrimalAttentionConfig, Mapping[str, Any], None] = None,
     calibration_data: Any = None,
     *,
-    method: str = "transfer",
+    method: str = "distill",
     steps: Optional[int] = None,
     learning_rate: Optional[float] = None,
     primal_learning_rate: float = 1e-3,
@@ -124,7 +124,7 @@ def convert(
     max_batches: Optional[int] = None,
     train_qk: bool = True,
     target: str = "layer",
-    distill_target: str = "auto",
+    distill_target: str = "hidden",
     temperature: float = 2.0,
     progress: bool = True,
 ) -> nn.Module:
@@ -144,9 +144,10 @@ def convert(
         learning_rate: AdamW learning rate of the pretrained weights in distillation (default 1e-4), or Adam learning
             rate of attention transfer (default 3e-3).
         primal_learning_rate: learning rate of the new primal parameters in distillation.
-        distill_target: what distillation matches: ``"hidden"`` (final hidden states + mean-pooled embeddings),
-            ``"logits"`` (KL of the head's softened distributions, with `temperature`) or ``"auto"`` (logits for
-            models with a head, hidden states for base models).
+        distill_target: what distillation matches: ``"hidden"`` (default: the final hidden states and mean-pooled
+            embeddings, which fixes what any head computes from them, including a head that was just initialised),
+            ``"logits"`` (KL of the head's softened distributions, with `temperature`; for pretrained heads such as
+            masked / causal LM heads) or ``"auto"`` (logits for models with a head, hidden states for base models).
         temperature: softmax temperature of the logits KL term.
         batch_size: batch size when `calibration_data` is a `datasets.Dataset`.
         max_batches: use at most this many calibration batches.

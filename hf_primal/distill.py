@@ -208,6 +208,7 @@ def distill(
     seed: int = 0,
     progress: bool = True,
     causal: bool = False,
+    train_all: bool = True,
 ) -> DistillResult:
     """Train every parameter of `student` so that its outputs match `teacher`'s on `batches`; keep the best state.
 
@@ -215,6 +216,8 @@ def distill(
     parameters are those with the lowest held-out distillation loss. New primal parameters train at
     `primal_learning_rate`, everything else at `learning_rate` (AdamW, linear warm-up then cosine decay).
     The student's KSVD term (weight `ksvd_weight`, default the model's eta) is added as in training.
+    With ``train_all=False`` only parameters that already require grad train (e.g. a PEFT-wrapped student: LoRA
+    weights plus the primal parameters).
     """
     import time
 
@@ -242,7 +245,9 @@ def distill(
     for p in teacher.parameters():
         p.requires_grad_(False)
 
-    named = [(n, p) for n, p in student.named_parameters() if p.dtype.is_floating_point]
+    named = [(n, p) for n, p in student.named_parameters() if p.dtype.is_floating_point and (train_all or p.requires_grad)]
+    if not named:
+        raise ValueError("distill: the student has no trainable parameter (train_all=False and nothing requires grad).")
     for _, p in named:
         p.requires_grad_(True)
     primal = [p for n, p in named if ".primal." in f".{n}"]
