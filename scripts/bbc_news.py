@@ -27,6 +27,7 @@ _SENTENCE_END = re.compile(r"(?<=[.!?])[\"']?\s+(?=[A-Z\"'])")
 class Split:
     texts: list[str]
     labels: list[int]
+    articles: list[str]  # "topic/file" of the article each sentence comes from
 
 
 def corpus_dir() -> Path:
@@ -58,21 +59,24 @@ def load(train_size: int = 3200, test_size: int = 1075, unlabeled_size: int = 30
     """
     root = corpus_dir()
     rng = random.Random(seed)
-    train_pool: list[tuple[str, int]] = []
-    test_pool: list[tuple[str, int]] = []
+    train_pool: list[tuple[str, int, str]] = []
+    test_pool: list[tuple[str, int, str]] = []
     for label, topic in enumerate(TOPICS):
         files = sorted((root / topic).glob("*.txt"))
         rng.shuffle(files)
         cut = int(0.75 * len(files))
         for i, path in enumerate(files):
-            rows = [(s, label) for s in _sentences(path.read_text(encoding="latin-1"))]
+            rows = [(s, label, f"{topic}/{path.name}") for s in _sentences(path.read_text(encoding="latin-1"))]
             (train_pool if i < cut else test_pool).extend(rows)
+    # The corpus holds some articles twice (and stock phrases recur): a test sentence that also occurs in a training
+    # article would measure memory, not generalisation.
+    seen = {row[0] for row in train_pool}
+    test_pool = list({row[0]: row for row in test_pool if row[0] not in seen}.values())
+    train_pool = list({row[0]: row for row in train_pool}.values())
     rng.shuffle(train_pool)
     rng.shuffle(test_pool)
     if train_size + unlabeled_size > len(train_pool) or test_size > len(test_pool):
         raise ValueError(f"the corpus has {len(train_pool)} train / {len(test_pool)} test sentences")
-    train = train_pool[:train_size]
-    unlabeled = [t for t, _ in train_pool[train_size:train_size + unlabeled_size]]
-    test = test_pool[:test_size]
-    return (Split([t for t, _ in train], [y for _, y in train]), Split([t for t, _ in test], [y for _, y in test]),
-            unlabeled)
+    unlabeled = [row[0] for row in train_pool[train_size:train_size + unlabeled_size]]
+    train, test = (Split(*map(list, zip(*rows))) for rows in (train_pool[:train_size], test_pool[:test_size]))
+    return train, test, unlabeled

