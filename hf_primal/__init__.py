@@ -24,6 +24,7 @@ __all__ = [
     "PrimalTrainer",
     "lora_config",
     "convert",
+    "text_batches",
     "enable_remote_code",
     "save_converted",
     "LayerSpectrum",
@@ -41,7 +42,7 @@ def _import_all() -> None:
         return
     from .analysis import LayerSpectrum, attention_spectrum, plot_attention_spectrum
     from .config import PrimalAttentionConfig
-    from .convert import convert
+    from .convert import convert, text_batches
     from .hub import enable_remote_code, register_auto_classes, save_converted
     from .lora import lora_config
     from .loss import clear_ksvd_terms, ksvd_loss

@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="optimizer steps: distillation in all (default 4 passes over the data) or attention "
                            "transfer per layer (default 300)")
     conv.add_argument("--learning-rate", type=float, default=None,
-                      help="learning rate of the pretrained weights (distill, default 1e-4) or of attention transfer "
+                      help="learning rate of the pretrained weights (distill, default 5e-4) or of attention transfer "
                            "(default 3e-3)")
     conv.add_argument("--batch-size", type=int, default=32, help="calibration batch size (default 32)")
     conv.add_argument("--calibration-target", choices=["layer", "attention"], default="layer",

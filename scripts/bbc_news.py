@@ -14,6 +14,7 @@ topic evidence), which leaves room to see what a converted model loses.
 
 from __future__ import annotations
 
+import hashlib
 import random
 import re
 from dataclasses import dataclass
@@ -51,11 +52,21 @@ def _sentences(article: str) -> list[str]:
     return out
 
 
-def load(train_size: int = 3200, test_size: int = 1075, unlabeled_size: int = 3000, seed: int = 0):
+def sentence_hash(text: str) -> str:
+    return hashlib.sha1(text.encode("utf-8")).hexdigest()
+
+
+def read_hashes(path: Path) -> set[str]:
+    return {line.strip() for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")}
+
+
+def load(train_size: int = 3200, test_size: int = 1075, unlabeled_size: int = 3000, seed: int = 0,
+         exclude: frozenset[str] = frozenset()):
     """(train, test, unlabeled): labelled train/test sentences and unlabeled sentences from the train articles.
 
     Articles are split 75/25 per topic (seeded). ``unlabeled`` holds sentences of training articles that are not in
-    ``train``: text for distillation that never overlaps the test articles.
+    ``train``: text for distillation that never overlaps the test articles. Test sentences whose `sentence_hash` is
+    in `exclude` are left out (those seen while choosing settings).
     """
     root = corpus_dir()
     rng = random.Random(seed)
@@ -71,7 +82,8 @@ def load(train_size: int = 3200, test_size: int = 1075, unlabeled_size: int = 30
     # The corpus holds some articles twice (and stock phrases recur): a test sentence that also occurs in a training
     # article would measure memory, not generalisation.
     seen = {row[0] for row in train_pool}
-    test_pool = list({row[0]: row for row in test_pool if row[0] not in seen}.values())
+    test_pool = list({row[0]: row for row in test_pool
+                      if row[0] not in seen and sentence_hash(row[0]) not in exclude}.values())
     train_pool = list({row[0]: row for row in train_pool}.values())
     rng.shuffle(train_pool)
     rng.shuffle(test_pool)

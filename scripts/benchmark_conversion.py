@@ -12,7 +12,8 @@ budget (``--epochs`` over the same training sentences, AdamW, same learning rate
 
 Reported per variant: test accuracy and macro-F1 (1,075 sentences from held-out articles), the mean cosine of
 mean-pooled sentence embeddings against the original model before fine-tuning (300 test sentences: never used for
-distillation or for choosing the kept step), wall time of distillation and fine-tuning. Writes
+distillation, for choosing the kept step, or while the settings were chosen: the test sentences looked at then are
+listed by hash in ``results/conversion_selection_sentences.sha1`` and left out), wall time of distillation and fine-tuning. Writes
 ``conversion_benchmark.csv``, ``conversion_benchmark.png`` and ``conversion_curves.json`` (held-out distillation
 curves) to ``--out-dir``.
 
@@ -45,6 +46,8 @@ from hf_primal.distill import masked_mean_pool  # noqa: E402
 
 VARIANTS = ("stock", "naive-last", "recipe-last", "naive-all", "recipe-all")
 CSV_NAME, PNG_NAME, CURVES_NAME = "conversion_benchmark.csv", "conversion_benchmark.png", "conversion_curves.json"
+# Test sentences looked at while the distillation settings were chosen: never part of the reported test set.
+SELECTION = Path(__file__).resolve().parent / "results" / "conversion_selection_sentences.sha1"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -207,7 +210,8 @@ def main(argv=None) -> int:
         return 0
     hf_logging.set_verbosity_error()
     tokenizer = AutoTokenizer.from_pretrained(minilm_path())
-    data = bbc_news.load(args.train_size, args.test_size, args.unlabeled, args.seed)
+    data = bbc_news.load(args.train_size, args.test_size, args.unlabeled, args.seed,
+                         exclude=frozenset(bbc_news.read_hashes(SELECTION)))
     reference = embeddings(BertModel.from_pretrained(minilm_path()), tokenizer,
                            data[1].texts[: args.cosine_sentences], args.max_length)
     rows, curves = [], {}

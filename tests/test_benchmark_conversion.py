@@ -25,6 +25,16 @@ def test_bbc_splits_do_not_share_sentences_or_articles():
     assert len(set(test.articles)) > 100
 
 
+def test_sentences_used_for_choosing_settings_are_left_out_of_the_test_set():
+    from benchmark_conversion import SELECTION
+
+    excluded = frozenset(bbc_news.read_hashes(SELECTION))
+    _, plain, _ = bbc_news.load(test_size=1075, unlabeled_size=4000)
+    _, clean, _ = bbc_news.load(test_size=1075, unlabeled_size=4000, exclude=excluded)
+    assert len(excluded) > 1000 and sum(bbc_news.sentence_hash(t) in excluded for t in plain.texts) == 1075
+    assert not any(bbc_news.sentence_hash(t) in excluded for t in clean.texts) and len(clean.texts) == 1075
+
+
 def test_small_end_to_end_run(tmp_path):
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "benchmark_conversion.py"), "--variants", "stock,naive-last,recipe-last",

@@ -1,0 +1,46 @@
+"""Every Python code block of README.md runs as pasted (in order, one namespace), and so do the shell blocks that
+need no network (install commands and the long demo / benchmarks are exercised by CI and their own tests)."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+BLOCKS = re.findall(r"```(python|bash)\n(.*?)```", README, flags=re.S)
+# Shell blocks not run here: they install packages, or run for minutes to hours (each has its own test).
+_SKIP = ("pip install", "hf-primal demo", "benchmark")
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+def test_readme_has_the_blocks_we_expect():
+    python = [code for kind, code in BLOCKS if kind == "python"]
+    assert len(python) >= 5 and any("method=\"distill\"" in code for code in python)
+
+
+def test_python_blocks_run_as_pasted(tmp_path):
+    code = "\n\n".join(code for kind, code in BLOCKS if kind == "python")
+    script = tmp_path / "readme_blocks.py"
+    script.write_text(code, encoding="utf-8")
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                            timeout=900)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert (tmp_path / "primal-minilm" / "config.json").exists() and (tmp_path / "spectrum.png").exists()
+
+
+def test_shell_blocks_run_as_pasted(tmp_path):
+    blocks = [code for kind, code in BLOCKS if kind == "bash" and not any(s in code for s in _SKIP)]
+    assert len(blocks) >= 2
+    (tmp_path / "scripts").symlink_to(ROOT / "scripts")  # the blocks run from a clone's root
+    for code in blocks:
+        result = subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=tmp_path, env=_env(),
+                                capture_output=True, text=True, timeout=900)
+        assert result.returncode == 0, code + "\n" + result.stdout[-2000:] + result.stderr[-4000:]
+    assert (tmp_path / "primal-minilm-cli" / "model.safetensors").exists()
