@@ -11,8 +11,11 @@ restricted to the sequence's valid tokens:
   K = Q_hat K_hat^T (``"identity"``, f(X) = I);
 * causal primal layers: K = Q_hat K_hat^T on the normalised prefix means (plain W_e, W_r, f(X) = I).
 
-Primal kernels have rank <= d, so their singular values come from a d x d core (QR of Q_hat and K_hat)
-instead of an N x N SVD. `plot_attention_spectrum` draws the paper-style mean +- std curves per layer group.
+The primal kernels are built by the same functions (`hf_primal.primal`) as the matrices primal layers return
+with ``output_attentions=True`` (the "sampled" one; for causal layers the spectrum is that of the full product,
+not of its lower triangle). They have rank <= d, so their singular values come from a d x d core (QR of Q_hat
+and K_hat) instead of an N x N SVD. `plot_attention_spectrum` draws the paper-style mean +- std curves per
+layer group.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .primal import NORM_EPS, sample_token_indices
+from .primal import NORM_EPS, prefix_mean_features, sampled_gram
 
 SOFTMAX, PRIMAL, PRIMAL_CAUSAL = "softmax", "primal", "primal-causal"
 
@@ -93,18 +96,6 @@ def _low_rank_spectrum(
     return cumulative_from_singular_values(sigma, length, use_sigma_squared)
 
 
-def _causal_features(v: torch.Tensor, valid: torch.Tensor, previous: Optional[torch.Tensor], count0: Optional[torch.Tensor]):
-    """Normalised masked prefix means of (B, H, L, d) v, continuing from a running sum when given."""
-    keep = valid[:, None, :, None].to(v.dtype)
-    sums = (v * keep).cumsum(dim=2)
-    counts = valid.to(v.dtype).cumsum(dim=1)
-    if previous is not None:
-        sums = sums + previous[:, :, None, :].to(v.dtype)
-        counts = counts + count0[:, None].to(v.dtype)
-    means = sums / counts.clamp(min=1.0)[:, None, :, None]
-    return F.normalize(means, dim=-1, eps=NORM_EPS)
-
-
 def _primal_curves(
     captured: dict[str, Any], core: nn.Module, valid: torch.Tensor, length: int, use_sigma_squared: bool,
     primal_kernel: str,
@@ -114,18 +105,15 @@ def _primal_curves(
     layer_valid = captured["valid"] if captured["valid"] is not None else valid[:, -tokens:]
     if core.causal:
         state = captured["state"]
-        q_hat = _causal_features(q, layer_valid, None if state is None else state.sum_q, None if state is None else state.count)
-        k_hat = _causal_features(k, layer_valid, None if state is None else state.sum_k, None if state is None else state.count)
+        q_hat = prefix_mean_features(q, layer_valid, None if state is None else state.sum_q, None if state is None else state.count)
+        k_hat = prefix_mean_features(k, layer_valid, None if state is None else state.sum_k, None if state is None else state.count)
         kind, cores = PRIMAL_CAUSAL, None
     else:
         q_hat, k_hat = F.normalize(q, dim=-1, eps=NORM_EPS), F.normalize(k, dim=-1, eps=NORM_EPS)
         kind, cores = PRIMAL, None
         if primal_kernel == "sampled":
-            x = captured["x"].double()
-            idx = sample_token_indices(layer_valid, core.num_samples)  # the tokens the layer itself sampled
-            sampled = torch.gather(x, 1, idx[:, :, None].expand(-1, -1, x.shape[-1]))
-            blocks = sampled.view(batch, core.num_samples, heads, dim).transpose(1, 2)  # (B, H, p, d) = F_h
-            cores = blocks.mT @ blocks  # F_h^T F_h
+            # F_h^T F_h from the tokens the layer itself sampled (same padding-aware rule as its forward)
+            cores = sampled_gram(captured["x"].double(), layer_valid, core.num_samples, heads)
     curves = []
     for b in range(batch):
         rows = layer_valid[b].nonzero().squeeze(-1)
@@ -202,9 +190,7 @@ def attention_spectrum(
             valid = mask.to(probs.device) != 0
         else:
             valid = torch.ones(probs.shape[0], length, dtype=torch.bool, device=probs.device)
-        if probs.shape[-1] == 0:  # primal layers return an empty (B, H, N, 0) placeholder
-            if layer not in captured:
-                raise RuntimeError(f"layer {layer} returned no attention matrix and is not a primal layer")
+        if layer in captured:  # primal: the low-rank factors of the kernel it returned, captured on the way
             kind, curves = _primal_curves(captured[layer], cores[layer], valid, length, use_sigma_squared, primal_kernel)
         else:
             kind, curves = SOFTMAX, _softmax_curves(probs, valid, length, use_sigma_squared)

@@ -13,6 +13,16 @@ Two variants share one parameter module, `PrimalCore`:
 Each call also returns `KSVDTerms`, the per-sequence sums the KSVD regulariser needs, so the loss can be
 assembled later without keeping (B, H, N, s) score tensors alive.
 
+Packed rows (several sequences in one row, padding-free training): both variants take optional per-token
+segment ids. The causal variant restarts its prefix sums at each segment start (the running sum at the start is
+subtracted, accumulated in float64 so that late segments do not inherit the rounding of the whole row); the
+non-causal variant runs every segment as a sequence of its own (its own sampled tokens and W_{e|X}). KSVD terms
+stay per row.
+
+`PrimalCore.attention_kernel` gives the N x N asymmetric kernel whose KSVD a layer computes (what
+``output_attentions=True`` returns): built from the same normalised queries/keys and sampled tokens as the
+forward, with plain autograd ops, only when asked.
+
 Performance (CPU, fp32; scripts/benchmark.py measures the whole models): `_PrimalHeads` is one autograd
 function from the q/k projections to the merged heads, with a hand-written backward.
 
@@ -112,6 +122,170 @@ def _sample_tokens(x: torch.Tensor, valid: Optional[torch.Tensor], num_samples: 
         return x.index_select(1, _even_positions(length, num_samples, x.device))
     idx = sample_token_indices(valid, num_samples)
     return torch.gather(x, 1, idx[:, :, None].expand(-1, -1, x.shape[-1]))
+
+
+def segment_starts(segments: torch.Tensor) -> torch.Tensor:
+    """(B, L) segment ids -> (B, L) position of the first token of each token's segment.
+
+    A segment is a run of equal ids: a new one starts wherever the id changes from the previous token.
+    """
+    batch, length = segments.shape
+    positions = torch.arange(length, device=segments.device).expand(batch, length)
+    change = torch.ones_like(segments, dtype=torch.bool)
+    change[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    return torch.where(change, positions, torch.zeros_like(positions)).cummax(dim=1).values
+
+
+def _accumulator_dtype(device: torch.device) -> torch.dtype:
+    # MPS has no float64; elsewhere float64 keeps "total - total at the segment start" exact to fp32 precision.
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def _segmented_cumsum(v: torch.Tensor, starts: torch.Tensor, dim: int) -> torch.Tensor:
+    """Inclusive cumulative sum along `dim` that restarts at every segment start (float64 where supported).
+
+    `starts` is `segment_starts(...)`, (B, L), broadcast over the other axes of `v`; subtracting the exclusive
+    sum at the segment start keeps this a single cumsum + gather, without a loop over segments.
+    """
+    acc = _accumulator_dtype(v.device)
+    total = torch.cumsum(v, dim=dim, dtype=acc)
+    exclusive = total - v.to(acc)
+    shape = [1] * v.dim()
+    shape[0], shape[dim] = starts.shape
+    index = starts.view(shape).expand_as(total)
+    return total - torch.gather(exclusive, dim, index)
+
+
+class _Packing(NamedTuple):
+    """Where each token of a packed (B, L) batch goes when every segment becomes a sequence of its own.
+
+    group, slot: (B, L) sequence index (0..G-1) and position in it; rows: (G,) the row each sequence came from.
+    """
+
+    group: torch.Tensor
+    slot: torch.Tensor
+    rows: torch.Tensor
+    num_groups: int
+    width: int
+
+    @staticmethod
+    def build(segments: torch.Tensor) -> "_Packing":
+        batch, length = segments.shape
+        starts = segment_starts(segments)
+        positions = torch.arange(length, device=segments.device)
+        new = (starts == positions).long()  # 1 at every segment start
+        local = new.cumsum(dim=1) - 1  # segment index within the row
+        per_row = new.sum(dim=1)
+        offsets = per_row.cumsum(dim=0) - per_row
+        group = local + offsets[:, None]
+        slot = positions - starts
+        rows = torch.repeat_interleave(torch.arange(batch, device=segments.device), per_row)
+        return _Packing(group, slot, rows, int(per_row.sum()), int(slot.max()) + 1)
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        """(B, L, ...) -> (G, W, ...), zero in the slots past each sequence's end."""
+        out = t.new_zeros(self.num_groups, self.width, *t.shape[2:])
+        out[self.group, self.slot] = t
+        return out
+
+    def unpack(self, t: torch.Tensor) -> torch.Tensor:
+        """(G, W, ...) -> (B, L, ...)."""
+        return t[self.group, self.slot]
+
+    def per_row(self, values: torch.Tensor) -> torch.Tensor:
+        """(G,) per-sequence sums -> (B,) per-row sums."""
+        batch = self.group.shape[0]
+        return values.new_zeros(batch).index_add(0, self.rows, values)
+
+
+def prefix_mean_features(
+    v: torch.Tensor,
+    valid: Optional[torch.Tensor] = None,
+    state_sum: Optional[torch.Tensor] = None,
+    state_count: Optional[torch.Tensor] = None,
+    segments: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Normalised masked prefix means of the causal layer (method spec §3), with plain autograd ops.
+
+    Args:
+        v: (B, H, L, d) queries or keys of L new tokens.
+        valid: (B, L) bool or None; invalid tokens do not enter the means.
+        state_sum, state_count: (B, H, d) and (B,) running sum and valid count before these tokens, or None.
+        segments: (B, L) ids of sequences packed in one row (means restart at each new id), or None.
+    Returns:
+        (B, H, L, d) in fp32 (or wider for a wider `v`); rows at invalid tokens are the means so far.
+    """
+    batch, _, length, _ = v.shape
+    dtype = torch.promote_types(v.dtype, torch.float32)
+    v = v.to(dtype)
+    keep = torch.ones(batch, length, dtype=dtype, device=v.device) if valid is None else valid.to(dtype)
+    v = v * keep[:, None, :, None]
+    if segments is not None:
+        if state_sum is not None:
+            raise ValueError("packed segments start new sequences: they cannot continue a cached state")
+        starts = segment_starts(segments)
+        sums = _segmented_cumsum(v, starts, dim=2).to(dtype)
+        counts = _segmented_cumsum(keep, starts, dim=1).to(dtype)
+    else:
+        sums = v.cumsum(dim=2)
+        counts = keep.cumsum(dim=1)
+    if state_sum is not None:
+        sums = sums + state_sum[:, :, None, :].to(dtype)
+        counts = counts + state_count[:, None].to(dtype)
+    means = sums / counts.clamp(min=1.0)[:, None, :, None]
+    return F.normalize(means, dim=-1, eps=NORM_EPS)
+
+
+def sampled_gram(x: torch.Tensor, valid: Optional[torch.Tensor], num_samples: int, heads: int) -> torch.Tensor:
+    """F_h^T F_h for every sequence and head: (B, N, C) layer input -> (B, H, d, d), fp32 or wider.
+
+    F_h (p x d) is the head-h block of the p sampled rows the non-causal forward builds W_{e|X} from (the same
+    padding-aware `sample_token_indices` rule), so q_hat F_h^T F_h k_hat^T is the kernel its primal model implies.
+    """
+    batch = x.shape[0]
+    sampled = _sample_tokens(x, valid, num_samples).to(torch.promote_types(x.dtype, torch.float32))
+    blocks = sampled.reshape(batch, num_samples, heads, -1).transpose(1, 2)  # (B, H, p, d)
+    return blocks.mT @ blocks
+
+
+def kernel_matrix(
+    q_hat: torch.Tensor,
+    k_hat: torch.Tensor,
+    gram: Optional[torch.Tensor] = None,
+    row_valid: Optional[torch.Tensor] = None,
+    col_valid: Optional[torch.Tensor] = None,
+    causal: bool = False,
+    segments: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """K = q_hat [gram] k_hat^T per sequence and head, (B, H, L, M), zero where the layer masks.
+
+    Args:
+        q_hat: (B, H, L, d) normalised queries of the L newest tokens; k_hat: (B, H, M, d), M >= L, the last L
+            of them the same tokens as the queries.
+        gram: (B, H, d, d) or None (identity).
+        row_valid, col_valid: (B, L) / (B, M) bool or None; rows / columns of invalid tokens are zero.
+        causal: keep only keys at or before each query (query i is key position M - L + i).
+        segments: (B, L) packed-sequence ids (needs M == L); entries across sequences are zero.
+    """
+    left = q_hat if gram is None else q_hat @ gram
+    kernel = left @ k_hat.mT
+    length, keys = q_hat.shape[2], k_hat.shape[2]
+    keep = None
+    if causal:
+        rows = torch.arange(length, device=kernel.device)[:, None] + (keys - length)
+        keep = torch.arange(keys, device=kernel.device)[None, :] <= rows  # (L, M)
+    if segments is not None:
+        same = segments[:, None, :, None] == segments[:, None, None, :]
+        keep = same if keep is None else keep & same
+    if row_valid is not None:
+        rows_ok = row_valid[:, None, :, None]
+        keep = rows_ok if keep is None else keep & rows_ok
+    if col_valid is not None:
+        cols_ok = col_valid[:, None, None, :]
+        keep = cols_ok if keep is None else keep & cols_ok
+    if keep is None:
+        return kernel
+    return torch.where(keep, kernel, torch.zeros((), dtype=kernel.dtype, device=kernel.device))
 
 
 # Up to this many sequences, per-sequence weights are applied with one batched GEMM per sequence on strided
@@ -351,18 +525,27 @@ class PrimalCore(nn.Module):
         x: Optional[torch.Tensor] = None,
         valid: Optional[torch.Tensor] = None,
         state: Optional[CausalState] = None,
+        segments: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, KSVDTerms, Optional[CausalState]]:
-        """Dispatch to `noncausal` or `causal_forward`; returns (y, terms, new_state or None)."""
+        """Dispatch to `noncausal` or `causal_forward`; returns (y, terms, new_state or None).
+
+        `segments` ((B, N) ids, or None) marks sequences packed in one row, which must not see each other.
+        """
         if self.causal:
-            return self.causal_forward(q, k, valid, state)
+            return self.causal_forward(q, k, valid, state, segments)
         if x is None:
             raise ValueError("non-causal Primal-Attention needs the layer input `x` to sample tokens from")
-        y, terms = self.noncausal(q, k, x, valid)
+        y, terms = self.noncausal(q, k, x, valid, segments)
         return y, terms, None
 
     # ------------------------------------------------------------------ variants
     def noncausal(
-        self, q: torch.Tensor, k: torch.Tensor, x: torch.Tensor, valid: Optional[torch.Tensor]
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        x: torch.Tensor,
+        valid: Optional[torch.Tensor],
+        segments: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, KSVDTerms]:
         """Method spec §2.
 
@@ -370,10 +553,13 @@ class PrimalCore(nn.Module):
             q, k: (B, H, N, d) projected queries and keys (no 1/sqrt(d) scaling).
             x: (B, N, H*d) the tensor fed to the attention sub-layer; its sampled tokens build W_{e|X}, W_{r|X}.
             valid: (B, N) bool or None (all tokens valid).
+            segments: (B, N) ids of sequences packed in one row, or None; each runs as a sequence of its own.
         Returns:
             y: (B, H, N, d) per-head outputs, zero at invalid tokens (a view of a (B, N, H, d) tensor, so
-            ``y.transpose(1, 2).reshape(B, N, H*d)`` is free); the KSVD terms.
+            ``y.transpose(1, 2).reshape(B, N, H*d)`` is free); the KSVD terms (per row).
         """
+        if segments is not None:
+            return self._noncausal_packed(q, k, x, valid, segments)
         batch, heads, length, dim = q.shape
         if x.shape[-1] != heads * dim:
             raise ValueError(
@@ -393,6 +579,7 @@ class PrimalCore(nn.Module):
         k: torch.Tensor,
         valid: Optional[torch.Tensor],
         state: Optional[CausalState] = None,
+        segments: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, KSVDTerms, CausalState]:
         """Method spec §3, continuing from `state` when given (incremental decoding).
 
@@ -400,22 +587,33 @@ class PrimalCore(nn.Module):
             q, k: (B, H, L, d) projections of the L new tokens.
             valid: (B, L) bool or None; invalid tokens neither enter the prefix means nor get an output.
             state: running sums over the tokens before these L, or None at the start of a sequence.
+            segments: (B, L) ids of sequences packed in one row, or None: prefix sums restart at each new id
+                (not with `state`).
         Returns:
             y (B, H, L, d) (a view of a (B, L, H, d) tensor), the KSVD terms over the new valid tokens, and
-            the state after the L tokens.
+            the state after the L tokens (of the last packed sequence).
         """
         batch, heads, length, dim = q.shape
         dtype = q.dtype
+        if segments is not None and state is not None:
+            raise ValueError("packed segments start new sequences: they cannot continue a cached state")
         if valid is not None:
             drop = ~valid[:, None, :, None]
             q, k = q.masked_fill(drop, 0.0), k.masked_fill(drop, 0.0)
-            counts = valid.float().cumsum(dim=1)  # (B, L)
+            counts = valid.float()
         else:
-            counts = torch.arange(1, length + 1, device=q.device, dtype=torch.float32).expand(batch, length)
+            counts = torch.ones(batch, length, device=q.device, dtype=torch.float32)
         # fp32 running sums: long prefixes lose precision in half precision.
         wide = torch.promote_types(dtype, torch.float32)
-        sum_q = torch.cumsum(q, dim=2, dtype=wide)
-        sum_k = torch.cumsum(k, dim=2, dtype=wide)
+        if segments is not None:
+            starts = segment_starts(segments)
+            sum_q = _segmented_cumsum(q, starts, dim=2).to(wide)
+            sum_k = _segmented_cumsum(k, starts, dim=2).to(wide)
+            counts = _segmented_cumsum(counts, starts, dim=1).float()
+        else:
+            sum_q = torch.cumsum(q, dim=2, dtype=wide)
+            sum_k = torch.cumsum(k, dim=2, dtype=wide)
+            counts = counts.cumsum(dim=1)  # (B, L)
         if state is not None:
             sum_q = sum_q + state.sum_q[:, :, None, :]
             sum_k = sum_k + state.sum_k[:, :, None, :]
@@ -429,6 +627,96 @@ class PrimalCore(nn.Module):
             floor = denom * NORM_EPS
         y, terms = self._finish(sum_q.to(dtype), sum_k.to(dtype), self.We.to(dtype), self.Wr.to(dtype), floor, valid)
         return y, terms, new_state
+
+    def _noncausal_packed(
+        self, q: torch.Tensor, k: torch.Tensor, x: torch.Tensor, valid: Optional[torch.Tensor], segments: torch.Tensor
+    ) -> tuple[torch.Tensor, KSVDTerms]:
+        """`noncausal` with every packed segment run as a sequence of its own (zero-padded to the longest)."""
+        packing = _Packing.build(segments)
+        keep = torch.ones_like(segments, dtype=torch.bool) if valid is None else valid
+        y, terms = self.noncausal(
+            packing.pack(q.transpose(1, 2)).transpose(1, 2),
+            packing.pack(k.transpose(1, 2)).transpose(1, 2),
+            packing.pack(x),
+            packing.pack(keep),
+        )
+        y = packing.unpack(y.transpose(1, 2)).transpose(1, 2)  # a view of (B, N, H, d), like the unpacked path
+        terms = KSVDTerms(packing.per_row(terms.e_sum), packing.per_row(terms.r_sum), packing.per_row(terms.count),
+                          terms.trace)
+        return y, terms
+
+    # ------------------------------------------------------------------ attention matrix
+    def key_features(
+        self, k: torch.Tensor, valid: Optional[torch.Tensor], state: Optional[CausalState] = None
+    ) -> torch.Tensor:
+        """Causal layers: the normalised prefix-mean keys k_hat of L new tokens, (B, H, L, d), zero at invalid
+        tokens: what a cache keeps to give later steps the columns of earlier tokens."""
+        k_hat = prefix_mean_features(
+            k, valid, None if state is None else state.sum_k, None if state is None else state.count
+        )
+        return k_hat if valid is None else k_hat * valid[:, None, :, None].to(k_hat.dtype)
+
+    def attention_kernel(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        x: Optional[torch.Tensor] = None,
+        valid: Optional[torch.Tensor] = None,
+        state: Optional[CausalState] = None,
+        segments: Optional[torch.Tensor] = None,
+        past_keys: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The asymmetric kernel matrix whose KSVD this layer computes, for the L new tokens.
+
+        Non-causal: K_h = q_hat F_h^T F_h k_hat^T (B, H, L, L), F_h the head-h block of the sampled layer-input
+        rows (cosine feature map on q, k). Causal: K_ij = <q_hat_i, k_hat_j> on the normalised prefix means for
+        j <= i, (B, H, L, P + L) with the P earlier tokens' keys taken from `past_keys` (needed with `state`).
+        Rows and columns of invalid tokens, and entries across packed segments, are zero. Not a probability
+        matrix: entries can be negative and rows do not sum to 1. Computed with autograd ops (fp32 or wider).
+
+        Returns:
+            the kernel and, for causal layers, the new tokens' k_hat (`key_features`) to append to `past_keys`.
+        """
+        heads = q.shape[1]
+        if self.causal:
+            if state is not None and past_keys is None:
+                raise ValueError(
+                    "the attention matrix of a causal primal layer continuing a cached state needs the earlier "
+                    "tokens' normalised keys, which the cache keeps only once attentions were requested"
+                )
+            q_hat = prefix_mean_features(
+                q, valid, None if state is None else state.sum_q, None if state is None else state.count, segments
+            )
+            k_hat = prefix_mean_features(
+                k, valid, None if state is None else state.sum_k, None if state is None else state.count, segments
+            )
+            if valid is not None:
+                k_hat = k_hat * valid[:, None, :, None].to(k_hat.dtype)
+            keys = k_hat if past_keys is None else torch.cat([past_keys.to(k_hat.dtype), k_hat], dim=2)
+            kernel = kernel_matrix(q_hat, keys, row_valid=valid, causal=True, segments=segments)
+            return kernel, k_hat
+        if x is None:
+            raise ValueError("non-causal Primal-Attention needs the layer input `x` to sample tokens from")
+        if segments is not None:
+            packing = _Packing.build(segments)
+            keep = torch.ones_like(segments, dtype=torch.bool) if valid is None else valid
+            packed, _ = self.attention_kernel(
+                packing.pack(q.transpose(1, 2)).transpose(1, 2),
+                packing.pack(k.transpose(1, 2)).transpose(1, 2),
+                packing.pack(x),
+                packing.pack(keep),
+            )
+            # (G, H, W, W) -> (B, H, N, N): entry (i, j) of a row is entry (slot_i, slot_j) of their sequence.
+            by_slot = packed.permute(0, 2, 3, 1)
+            group, slot = packing.group, packing.slot
+            full = by_slot[group[:, :, None], slot[:, :, None], slot[:, None, :]]  # (B, N, N, H)
+            same = (group[:, :, None] == group[:, None, :])[..., None]
+            full = torch.where(same, full, torch.zeros((), dtype=full.dtype, device=full.device))
+            return full.permute(0, 3, 1, 2), None
+        q_hat = F.normalize(q.to(torch.promote_types(q.dtype, torch.float32)), dim=-1, eps=NORM_EPS)
+        k_hat = F.normalize(k.to(q_hat.dtype), dim=-1, eps=NORM_EPS)
+        gram = sampled_gram(x, valid, self.num_samples, heads).to(q_hat.dtype)
+        return kernel_matrix(q_hat, k_hat, gram, row_valid=valid, col_valid=valid), None
 
 
 def num_sampled_tokens(max_tokens: int, low_rank: int, rank_multi: int) -> int:
