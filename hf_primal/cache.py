@@ -3,6 +3,16 @@
 A causal primal layer needs only the running sums of its q and k and the number of valid tokens seen
 (method spec §3), so its slot in a `DynamicCache` holds a `CausalState` of shape (B, H, d) instead of
 keys and values that grow with the context. Canonical layers of the same model keep their KV layers.
+
+What works on a cache holding primal layers: ``get_seq_length``, ``get_mask_sizes``, ``get_max_length`` (-1),
+``len(cache)``, ``cache.layers[i]``, ``reorder_cache`` / ``batch_select_indices`` / ``batch_repeat_interleave``
+(beam search, contrastive search), ``reset``, ``offload`` / ``prefetch``. What cannot: ``crop`` (running sums cannot
+forget tokens) and reading ``.keys`` / ``.values`` of a primal layer (or iterating the cache, which reads them):
+both raise an error saying what the layer keeps instead.
+
+With ``output_attentions=True`` the layer also keeps the normalised prefix-mean keys of every token from then on
+(``key_features``, (B, H, seen, d)), because the attention matrix of a later step has a column per earlier token;
+that part grows with the context, and only when attentions are asked for.
 """
 
 from __future__ import annotations
@@ -38,6 +48,32 @@ class PrimalCacheLayer(CacheLayerMixin):
         super().__init__()
         self.state: Optional[CausalState] = None
         self.seen = 0
+        self.key_features: Optional[torch.Tensor] = None
+
+    # A primal layer has no keys or values: reading them must not silently give None (the stock layers' "empty").
+    _WHAT_IT_KEEPS = (
+        "a causal primal attention layer caches no keys or values: it keeps `state`, the running sums of its "
+        "queries and keys over the tokens seen (`state.sum_q`, `state.sum_k`, shape (batch, heads, head_dim)) and "
+        "the number of valid tokens (`state.count`, shape (batch,)) - a constant-size state (hf_primal.cache)"
+    )
+
+    @property
+    def keys(self):
+        raise AttributeError(f"{type(self).__name__}.keys: {self._WHAT_IT_KEEPS}.")
+
+    @keys.setter
+    def keys(self, value) -> None:
+        if value is not None:  # CacheLayerMixin.__init__ and reset() assign None
+            raise AttributeError(f"{type(self).__name__}.keys cannot be set: {self._WHAT_IT_KEEPS}.")
+
+    @property
+    def values(self):
+        raise AttributeError(f"{type(self).__name__}.values: {self._WHAT_IT_KEEPS}.")
+
+    @values.setter
+    def values(self, value) -> None:
+        if value is not None:
+            raise AttributeError(f"{type(self).__name__}.values cannot be set: {self._WHAT_IT_KEEPS}.")
 
     # -- CacheLayerMixin interface ------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -45,8 +81,8 @@ class PrimalCacheLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         raise RuntimeError(
-            "A primal attention layer keeps running sums, not keys and values; `update` must not be called on "
-            "its cache layer. Was a stock attention module run at a primal layer index?"
+            f"`update` must not be called on a {type(self).__name__}: {self._WHAT_IT_KEEPS}. Was a stock attention "
+            "module run at a primal layer index?"
         )
 
     def get_seq_length(self) -> int:
@@ -61,11 +97,15 @@ class PrimalCacheLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.state = None
         self.seen = 0
+        self.key_features = None
         self.is_initialized = False
 
     def _map_state(self, fn) -> None:
+        # Everything held per sequence moves together (beam search reorders, contrastive search repeats / selects).
         if self.state is not None:
             self.state = CausalState(*(fn(t) for t in self.state))
+        if self.key_features is not None:
+            self.key_features = fn(self.key_features)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_state(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -78,8 +118,8 @@ class PrimalCacheLayer(CacheLayerMixin):
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError(
-            "Primal-Attention caches cannot be cropped (running sums cannot forget tokens): assisted / speculative "
-            "decoding is not supported with primal layers."
+            f"Primal-Attention caches cannot be cropped: {self._WHAT_IT_KEEPS}, and running sums cannot forget "
+            "tokens. Assisted / speculative decoding is not supported with primal layers."
         )
 
     def offload(self) -> None:
@@ -91,16 +131,32 @@ class PrimalCacheLayer(CacheLayerMixin):
             self._map_state(lambda t: t.to(device, non_blocking=True))
 
     # -- primal interface -----------------------------------------------------------
-    def write(self, state: CausalState, new_tokens: int) -> None:
+    def write(self, state: CausalState, new_tokens: int, key_features: Optional[torch.Tensor] = None) -> None:
+        """Store the state after `new_tokens` more tokens; `key_features` ((B, H, new_tokens, d) k_hat of those
+        tokens) extends the key history that attention matrices need (kept from the first time it is given)."""
         # The state usually arrives as views into (B, H, L, d) prefix-sum buffers of the L new tokens; storing
         # the views would keep those buffers alive, i.e. memory linear in the prompt length.
         self.state = CausalState(*(_compact(t) for t in state))
         self.device = state.sum_q.device
+        if key_features is not None:
+            if self.seen > 0 and self.key_features is None:
+                raise ValueError(self.missing_key_history())
+            key_features = key_features.detach()  # the cache must not keep the forward's graph alive
+            self.key_features = (
+                key_features if self.key_features is None else torch.cat([self.key_features, key_features], dim=2)
+            )
         self.seen += int(new_tokens)
         self.is_initialized = True
 
+    def missing_key_history(self) -> str:
+        return (
+            f"This primal cache layer has seen {self.seen} tokens without keeping their normalised keys, so it cannot "
+            "give the attention matrix's columns for them: pass output_attentions=True from the first forward that "
+            "fills the cache (generate(..., output_attentions=True) does), or start from a fresh cache."
+        )
+
     def state_numel(self) -> int:
-        """Number of elements the layer holds (independent of the context length)."""
+        """Number of elements of the running state (independent of the context length)."""
         return 0 if self.state is None else sum(t.numel() for t in self.state)
 
     def __repr__(self) -> str:

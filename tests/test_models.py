@@ -231,15 +231,17 @@ def test_gpt2_causality(layers):
 
 
 # ------------------------------------------------------------------ output_attentions
-def test_output_attentions_gives_empty_substitute_for_primal_layers():
+def test_output_attentions_gives_the_primal_kernel_not_probabilities():
+    # Values against an independent computation: tests/test_transformers_contract.py.
     config = bert_config(primal_attention={"layers": [-1], "low_rank": 4})
     config._attn_implementation = "eager"
     model = BertModel(config).eval()
     with torch.no_grad():
         out = model(input_ids=torch.randint(1, 120, (2, 6)), output_attentions=True)
     assert len(out.attentions) == 2
-    assert out.attentions[0].shape == (2, 4, 6, 6)
-    assert out.attentions[1].shape == (2, 4, 6, 0)
+    assert out.attentions[0].shape == out.attentions[1].shape == (2, 4, 6, 6)
+    assert torch.allclose(out.attentions[0].sum(-1), torch.ones(2, 4, 6))  # softmax layer
+    assert not torch.allclose(out.attentions[1].sum(-1), torch.ones(2, 4, 6), atol=1e-2)  # primal kernel
 
 
 # ------------------------------------------------------------------ loading and saving
