@@ -345,6 +345,8 @@ ADAPTERS = (
         ignore_value_patterns=lambda i: [
             rf"layers\.{i}\.attention\.v_proj\.",
             rf"encoder\.layer\.{i}\.attention\.attention\.value\.",
+            # a legacy checkpoint key renamed by every ViT rule but the value one (dropped when all layers are primal)
+            rf"layers\.{i}\.attention\.attention\.value\.",
         ],
         max_tokens=_vit_max_tokens,
         causal=lambda c: False,
@@ -402,6 +404,7 @@ def apply_primal_attention(model: nn.Module, primal_config=None) -> list[str]:
     if spec is None:
         return []
     spec = PrimalAttentionConfig.coerce(spec)
+    inherit_weight_conversions(model)
     base = getattr(model, model.base_model_prefix, model)
     layers = adapter.list_layers(base)
     selected = spec.resolve_layers(len(layers))
@@ -450,6 +453,59 @@ def primal_layers(model: nn.Module) -> list[str]:
     return [name for name, module in model.named_modules() if getattr(module, "_is_primal_attention", False)]
 
 
+def inherit_weight_conversions(model: nn.Module) -> None:
+    """Give a primal model class defined outside transformers the checkpoint renaming rules of its stock base.
+
+    transformers keeps renaming rules per class name, then per model_type (``ViTModel``: checkpoint keys
+    ``encoder.layer.N.attention.attention.query`` <-> module ``layers.N.attention.q_proj``, applied on load and
+    reversed on save), and skips classes defined outside transformers unless their name was registered. The
+    shareable ``PrimalViTModel`` (model_type ``primal_vit``, also as remote code) would otherwise load its own
+    saved weights with every tensor missing.
+    """
+    try:
+        from transformers.conversion_mapping import (
+            get_checkpoint_conversion_mapping,
+            register_checkpoint_conversion_mapping,
+        )
+    except ImportError:  # pragma: no cover - transformers without per-class weight conversions
+        return
+    cls = type(model)
+    if cls.__module__.startswith("transformers.") or get_checkpoint_conversion_mapping(cls.__name__) is not None:
+        return
+    stock = next((base for base in cls.__mro__[1:] if base.__module__.startswith("transformers.")), None)
+    rules = get_checkpoint_conversion_mapping(stock.__name__) if stock is not None else None
+    if rules is not None:
+        register_checkpoint_conversion_mapping(cls.__name__, rules, overwrite=True)
+
+
+_VALUE_ATTRS = {adapter.value_attr for adapter in ADAPTERS if adapter.value_attr}
+
+
+def drop_value_renamings(model: nn.Module, conversions: list) -> list:
+    """`conversions` without the renaming rules that target only value projections `model` does not have.
+
+    Primal layers drop their value projections; once every layer of a ViT is primal, a rule such as
+    ``attention.value -> v_proj`` renames nothing, on load or in reverse on save. transformers' check that each
+    rule of a model matches one of its serialized keys (``test_reverse_loading_mapping``) would flag it, so it
+    is left out for such a model only; with any softmax layer left the rule still applies.
+    """
+    if getattr(getattr(model, "config", None), "primal_attention", None) is None or not conversions:
+        return conversions
+    keys = None
+    kept = []
+    for transform in conversions:
+        targets = list(getattr(transform, "target_patterns", None) or [])
+        renames_values = type(transform).__name__ == "WeightRenaming" and targets and all(
+            "\\" not in target and _VALUE_ATTRS & set(target.strip(".").split(".")) for target in targets
+        )
+        if renames_values:
+            keys = list(model.state_dict()) if keys is None else keys
+            if not any(target in key for target in targets for key in keys):
+                continue
+        kept.append(transform)
+    return kept
+
+
 def ignore_patterns(model: nn.Module) -> list[str]:
     """Regexes of checkpoint keys dropped from the primal layers of `model` (value projections)."""
     adapter = find_adapter(model)
@@ -467,6 +523,8 @@ __all__ = [
     "PrimalGPT2Attention",
     "apply_primal_attention",
     "attentions_requested",
+    "drop_value_renamings",
+    "inherit_weight_conversions",
     "init_primal_core",
     "packed_segments",
     "primal_layers",

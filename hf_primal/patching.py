@@ -13,18 +13,22 @@ Hooks, installed once, each a no-op for models whose config does not ask for pri
   ``auto_map``, remote code, model card; `hub.save_shareable`), so that no saved primal model loads as a softmax
   model where hf_primal is not imported; ``push_to_hub`` uploads that folder with its model card;
 * ``PreTrainedConfig.get_config_dict`` lets a stock config class (``BertConfig``, so ``BertModel.from_pretrained``)
-  read such a folder without transformers' model-type warning: with the hooks installed that load is exact.
+  read such a folder without transformers' model-type warning: with the hooks installed that load is exact;
+* ``conversion_mapping.get_model_conversion_mapping`` (and the modules that imported it by name) leaves out the
+  checkpoint renaming rules for value projections a primal model no longer has (`drop_value_renamings`).
 
 Nothing global changes behaviour: a model without ``config.primal_attention`` runs stock code.
 """
 
 from __future__ import annotations
 
+import sys
+
 from transformers import PreTrainedConfig, PreTrainedModel
 
 from .config import PrimalAttentionConfig
 from .hub import save_shareable
-from .modeling_primal import PrimalModelMixin, apply_primal_attention, init_primal_core
+from .modeling_primal import PrimalModelMixin, apply_primal_attention, drop_value_renamings, init_primal_core
 
 _INSTALLED = False
 
@@ -120,6 +124,7 @@ def install_hooks() -> None:
             config_dict = {**config_dict, "model_type": cls.model_type}
         return config_dict, unused
 
+    _wrap_conversion_mapping()
     PreTrainedModel._finalize_model_loading = staticmethod(_finalize_model_loading)
     PreTrainedModel.save_pretrained = save_pretrained
     PreTrainedModel.push_to_hub = push_to_hub
@@ -130,3 +135,23 @@ def install_hooks() -> None:
     PreTrainedModel.post_init = post_init
     PreTrainedModel._init_weights = _init_weights
     _INSTALLED = True
+
+
+def _wrap_conversion_mapping() -> None:
+    """Route transformers' per-model weight-conversion lookup through `drop_value_renamings`."""
+    try:
+        from transformers import conversion_mapping
+    except ImportError:  # pragma: no cover - transformers without weight conversions
+        return
+    original = conversion_mapping.get_model_conversion_mapping
+
+    def get_model_conversion_mapping(model, *args, **kwargs):
+        return drop_value_renamings(model, original(model, *args, **kwargs))
+
+    get_model_conversion_mapping.__wrapped__ = original
+    # Modules that ran `from .conversion_mapping import get_model_conversion_mapping` hold their own reference;
+    # modules imported later, and lazy imports, read the patched module attribute.
+    for name, module in list(sys.modules.items()):
+        if (name == "transformers" or name.startswith("transformers.")) and \
+                getattr(module, "get_model_conversion_mapping", None) is original:
+            setattr(module, "get_model_conversion_mapping", get_model_conversion_mapping)
