@@ -69,6 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     p.add_argument("--replot", action="store_true", help="only redraw the plot from the CSV in --out-dir")
+    p.add_argument("--append", action="store_true",
+                   help="keep the rows of other variants already in --out-dir's CSV (run variants in several calls)")
     args = p.parse_args(argv)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = sorted(set(args.variants) - set(VARIANTS))
@@ -215,9 +217,14 @@ def main(argv=None) -> int:
     reference = embeddings(BertModel.from_pretrained(minilm_path()), tokenizer,
                            data[1].texts[: args.cosine_sentences], args.max_length)
     rows, curves = [], {}
+    if args.append and (out_dir / CSV_NAME).exists():
+        with open(out_dir / CSV_NAME, encoding="utf-8") as handle:
+            rows = [r for r in csv.DictReader(handle) if r["variant"] not in args.variants]
+        curves = {k: v for k, v in json.loads((out_dir / CURVES_NAME).read_text()).items() if k not in args.variants}
     for name in args.variants:
         row, curve = run_variant(name, args, tokenizer, data, reference)
         rows.append(row)
+        rows.sort(key=lambda r: VARIANTS.index(r["variant"]))
         if curve:
             curves[name] = curve
         with open(out_dir / CSV_NAME, "w", newline="", encoding="utf-8") as handle:  # after each variant
@@ -228,8 +235,9 @@ def main(argv=None) -> int:
     plot(rows, curves, out_dir / PNG_NAME)
     print(f"\n{'variant':<12} {'accuracy':>9} {'macro-F1':>9} {'cosine':>7} {'distill s':>10} {'fine-tune s':>12}")
     for r in rows:
-        print(f"{r['variant']:<12} {r['accuracy']:>9.4f} {r['macro_f1']:>9.4f} {r['embedding_cosine']:>7.4f} "
-              f"{r['distill_seconds']:>10.0f} {r['finetune_seconds']:>12.0f}")
+        print(f"{r['variant']:<12} {float(r['accuracy']):>9.4f} {float(r['macro_f1']):>9.4f} "
+              f"{float(r['embedding_cosine']):>7.4f} {float(r['distill_seconds']):>10.0f} "
+              f"{float(r['finetune_seconds']):>12.0f}")
     print(f"wrote {out_dir / CSV_NAME}, {out_dir / PNG_NAME}, {out_dir / CURVES_NAME}")
     return 0
 

@@ -19,7 +19,7 @@ def test_quick_benchmark_writes_complete_csv_summary_and_plot(tmp_path):
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--quick", "--out-dir", str(tmp_path),
          "--eager-limit-gib", "0.001"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "Summary" in result.stdout

@@ -219,8 +219,8 @@ def test_primal_parameters_get_their_own_learning_rate(tmp_path):
     for trainer, lr in ((default, PRIMAL_LR_MULTIPLIER * 2e-4), (explicit, 5e-3)):
         optimizer = trainer.create_optimizer()
         names = {id(p): n for n, p in trainer.model.named_parameters()}
-        by_lr = {}
-        for group in optimizer.param_groups:
-            by_lr.setdefault(group["lr"], set()).update(names[id(p)] for p in group["params"])
         primal = {n for n in names.values() if ".primal." in n}
-        assert by_lr[lr] == primal and by_lr[2e-4] == set(names.values()) - primal
+        groups = [({names[id(p)] for p in g["params"]}, g["lr"], g["weight_decay"]) for g in optimizer.param_groups]
+        assert [g for g in groups if g[0] == primal] == [(primal, lr, 0.0)]  # one group, exactly the primal tensors
+        assert all(g_lr == 2e-4 for names_, g_lr, _ in groups if names_ != primal)
+        assert set().union(*(g[0] for g in groups)) == set(names.values())
