@@ -214,17 +214,27 @@ def test_ksvd_loss_falls_tenfold_with_eta_and_not_without(tmp_path):
 
 
 def test_eval_reports_ksvd_loss(tmp_path):
+    # The expected value is computed independently of hf_primal's loss code: the loop-by-loop reference of the
+    # method (tests/reference.py) on the inputs the evaluation loop actually fed to the primal layer, batch by batch.
     model = BertForSequenceClassification(bert_config(primal_attention={"layers": [-1], "low_rank": 4}))
+    module = model.bert.encoder.layer[-1].attention.self
+    seen = []
+    handle = module.register_forward_hook(
+        lambda mod, a, kw, out: seen.append((a[0] if a else kw["hidden_states"]).detach().clone()), with_kwargs=True)
     trainer = PrimalTrainer(model=model, args=_args(tmp_path, per_device_eval_batch_size=4), eval_dataset=_cls_dataset())
     metrics = trainer.evaluate()
-    model.eval()
-    batch = _cls_dataset()[:]
-    with torch.no_grad():
-        expected = []
-        for start in (0, 4):
-            model(input_ids=torch.tensor(batch["input_ids"][start:start + 4]),
-                  attention_mask=torch.tensor(batch["attention_mask"][start:start + 4]))
-            expected.append(float(ksvd_loss(model)))
+    handle.remove()
+    assert len(seen) == 2  # 8 rows, batches of 4
+    masks = torch.tensor(_cls_dataset()["attention_mask"]).bool()
+    core = module.primal
+    expected = []
+    for i, x in enumerate(seen):
+        mask = masks[4 * i:4 * i + 4]
+        with torch.no_grad():
+            q, k = _split(module.query(x), 4), _split(module.key(x), 4)
+        _, e, r = reference_noncausal(x, q, k, mask, core.We, core.Wr, core.head_map.weight, core.head_map.bias)
+        expected.append(_expected_loss([reference_layer_J(e, r, mask, core.Lambda, core.We, core.Wr)], "sequence"))
+    assert expected[0] != pytest.approx(expected[1], rel=1e-3)  # the two batches differ: the mean is a real check
     assert metrics["eval_ksvd_loss"] == pytest.approx(sum(expected) / 2, rel=1e-5)
 
 
