@@ -288,7 +288,7 @@ def distill(
         student.train(was)
         return total / max(count, 1.0), (cos_sum / cos_n if cos_n else None)
 
-    eval_every = eval_every or max(1, min(50, steps // 10))
+    eval_every = eval_every or max(1, min(100, steps // 12))
     loss_before, cos_before = evaluate()
     best = (loss_before, 0, cos_before)
     best_state = {n: p.detach().clone() for n, p in named}
