@@ -15,6 +15,7 @@ from typing import Any, Union
 LayersSpec = Union[str, list[int]]
 
 _REDUCTIONS = ("sequence", "batch")
+_DEFAULT_CROP_WINDOW = 64  # hf_primal.cache.DEFAULT_CROP_WINDOW
 
 
 @dataclass
@@ -31,6 +32,10 @@ class PrimalAttentionConfig:
         eta: weight of the KSVD regulariser added to the task loss by `PrimalTrainer`.
         ksvd_reduction: ``"sequence"`` (J per sequence, squared, then averaged; the default) or ``"batch"``
             (J over the whole batch, as in the paper's CV/LRA code).
+        crop_window: ``W``, how many of the latest tokens a causal layer's generation cache can take back
+            (``cache.crop``, used by assisted and prompt-lookup decoding). While a cache records its past (transformers
+            calls ``activate_past_recording`` for those modes) each causal primal layer keeps the running state after
+            each of its last W + 1 tokens; cropping more than W tokens at once raises an error.
     """
 
     layers: LayersSpec = field(default_factory=lambda: [-1])
@@ -38,6 +43,7 @@ class PrimalAttentionConfig:
     rank_multi: int = 10
     eta: float = 0.1
     ksvd_reduction: str = "sequence"
+    crop_window: int = _DEFAULT_CROP_WINDOW
 
     def __post_init__(self) -> None:
         self.validate()
@@ -68,7 +74,7 @@ class PrimalAttentionConfig:
                 f"PrimalAttentionConfig.layers={self.layers!r} (type {type(self.layers).__name__}) is not allowed: "
                 "it must be 'all' or a list of integer layer indices such as [-1]."
             )
-        for name in ("low_rank", "rank_multi"):
+        for name in ("low_rank", "rank_multi", "crop_window"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 raise ValueError(f"PrimalAttentionConfig.{name}={value!r} is not allowed: it must be an integer >= 1.")
@@ -105,8 +111,15 @@ class PrimalAttentionConfig:
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict[str, Any]:
-        """The plain-JSON form stored under ``"primal_attention"`` in ``config.json``."""
-        return dataclasses.asdict(self)
+        """The plain-JSON form stored under ``"primal_attention"`` in ``config.json``.
+
+        ``crop_window`` is written only when it differs from its default, so that checkpoints which do not change
+        it keep the fields that earlier hf_primal versions (and remote code copied with them) read.
+        """
+        data = dataclasses.asdict(self)
+        if data["crop_window"] == _DEFAULT_CROP_WINDOW:
+            del data["crop_window"]
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "PrimalAttentionConfig":
