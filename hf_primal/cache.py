@@ -6,9 +6,17 @@ keys and values that grow with the context. Canonical layers of the same model k
 
 What works on a cache holding primal layers: ``get_seq_length``, ``get_mask_sizes``, ``get_max_length`` (-1),
 ``len(cache)``, ``cache.layers[i]``, ``reorder_cache`` / ``batch_select_indices`` / ``batch_repeat_interleave``
-(beam search, contrastive search), ``reset``, ``offload`` / ``prefetch``. What cannot: ``crop`` (running sums cannot
-forget tokens) and reading ``.keys`` / ``.values`` of a primal layer (or iterating the cache, which reads them):
-both raise an error saying what the layer keeps instead.
+(beam search, contrastive search), ``reset``, ``offload`` / ``prefetch``, and ``crop`` once the cache records its
+past: after ``cache.activate_past_recording()`` (which ``generate`` calls for assisted and prompt-lookup decoding)
+each primal layer also keeps the state after each of its last W + 1 tokens (W = ``crop_window``,
+`PrimalAttentionConfig.crop_window`, default 64), so ``crop(-n)`` for n <= W puts back exactly the state after the
+token it returns to; more than W raises. Reading ``.keys`` / ``.values`` of a primal layer (or iterating the cache,
+which reads them) raises an error saying what the layer keeps instead.
+
+Static caches (``StaticCache`` / ``generate(..., cache_implementation="static")``) get a `PrimalStaticCacheLayer`
+at each primal index: fixed (B, H, d) / (B,) buffers updated in place and a tensor token counter, like
+transformers' ``StaticLayer``, so compiled decoding (``torch.compile(model.forward, fullgraph=True)``) runs
+without graph breaks. Cropping a static primal layer is not supported (use the default cache for assisted decoding).
 
 With ``output_attentions=True`` the layer also keeps the normalised prefix-mean keys of every token from then on
 (``key_features``, (B, H, seen, d)), because the attention matrix of a later step has a column per earlier token;
@@ -17,12 +25,15 @@ that part grows with the context, and only when attentions are asked for.
 
 from __future__ import annotations
 
+import types
 from typing import Optional
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, EncoderDecoderCache
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, EncoderDecoderCache, StaticLayer
 
 from .primal import CausalState
+
+DEFAULT_CROP_WINDOW = 64
 
 
 def _compact(tensor: torch.Tensor) -> torch.Tensor:
@@ -40,15 +51,20 @@ class PrimalCacheLayer(CacheLayerMixin):
     """
 
     is_compileable = False
-    is_croppable = False
+    is_croppable = True
     is_sliding = False
     supports_early_init = False
 
-    def __init__(self, **kwargs) -> None:
+    def __init__(self, crop_window: int = DEFAULT_CROP_WINDOW, **kwargs) -> None:
         super().__init__()
         self.state: Optional[CausalState] = None
         self.seen = 0
         self.key_features: Optional[torch.Tensor] = None
+        self.crop_window = int(crop_window)
+        self.record_past = False
+        # While recording: the state after each of the last (at most crop_window + 1) tokens, oldest first, along a
+        # token axis (sums (B, H, n, d), count (B, n)); the last entry equals `state`.
+        self.history: Optional[CausalState] = None
 
     # A primal layer has no keys or values: reading them must not silently give None (the stock layers' "empty").
     _WHAT_IT_KEEPS = (
@@ -98,6 +114,7 @@ class PrimalCacheLayer(CacheLayerMixin):
         self.state = None
         self.seen = 0
         self.key_features = None
+        self.history = None
         self.is_initialized = False
 
     def _map_state(self, fn) -> None:
@@ -106,6 +123,8 @@ class PrimalCacheLayer(CacheLayerMixin):
             self.state = CausalState(*(fn(t) for t in self.state))
         if self.key_features is not None:
             self.key_features = fn(self.key_features)
+        if self.history is not None:
+            self.history = CausalState(*(fn(t) for t in self.history))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_state(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -116,11 +135,67 @@ class PrimalCacheLayer(CacheLayerMixin):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._map_state(lambda t: t[indices])
 
+    # -- cropping (assisted / prompt-lookup decoding) --------------------------------
+    def activate_past_recording(self) -> None:
+        """Keep the state after each of the last `crop_window` + 1 tokens from now on, so `crop` can roll back."""
+        self.record_past = True
+
+    def history_length(self) -> int:
+        return 0 if self.history is None else int(self.history.count.shape[-1])
+
+    def check_crop(self, tokens_to_remove: int) -> int:
+        """Validate ``crop(tokens_to_remove)`` without changing anything; returns the number of tokens to remove."""
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported: pass minus the number "
+                "of tokens to remove, as for transformers' own cache layers."
+            )
+        n = -int(tokens_to_remove)
+        if n == 0:
+            return 0
+        if n > self.seen:
+            raise ValueError(f"Cannot crop {n} tokens from a primal cache layer that has seen only {self.seen}.")
+        if n > self.crop_window:
+            raise ValueError(
+                f"Cannot crop {n} tokens from a primal cache layer: it keeps the running state after each of only its "
+                f"last crop_window={self.crop_window} tokens (running sums cannot forget older tokens). Raise "
+                "`crop_window` in the model's primal_attention config (PrimalAttentionConfig.crop_window) or draft "
+                "fewer tokens at once (e.g. `num_assistant_tokens`, `prompt_lookup_num_tokens`)."
+            )
+        if not self.record_past:
+            raise RuntimeError(
+                f"Cannot crop a primal cache layer that does not record its past: it keeps only running sums "
+                f"({self._WHAT_IT_KEEPS}). Call `cache.activate_past_recording()` before the forward passes you may "
+                "want to undo (generate does this for assisted and prompt-lookup decoding)."
+            )
+        if n < self.seen and self.history_length() < n + 1:
+            raise ValueError(
+                f"Cannot crop {n} tokens from a primal cache layer that started recording its past only "
+                f"{max(self.history_length() - 1, 0)} tokens ago."
+            )
+        return n
+
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError(
-            f"Primal-Attention caches cannot be cropped: {self._WHAT_IT_KEEPS}, and running sums cannot forget "
-            "tokens. Assisted / speculative decoding is not supported with primal layers."
-        )
+        """Remove the last ``-tokens_to_remove`` tokens (at most `crop_window`) by restoring the state kept for the
+        token the cache returns to. ``crop(0)`` does nothing (the kept states are already bounded by the window)."""
+        n = self.check_crop(tokens_to_remove)
+        if n == 0:
+            return
+        if n == self.seen:  # back to an empty sequence
+            self.state = None
+            self.history = None
+            if self.key_features is not None:
+                self.key_features = self.key_features[:, :, :0]
+            self.seen = 0
+            return
+        keep = self.history_length() - n
+        self.history = CausalState(self.history.sum_q[:, :, :keep], self.history.sum_k[:, :, :keep],
+                                   self.history.count[:, :keep])
+        self.state = CausalState(self.history.sum_q[:, :, -1].clone(), self.history.sum_k[:, :, -1].clone(),
+                                 self.history.count[:, -1].clone())
+        if self.key_features is not None:
+            self.key_features = self.key_features[:, :, : self.seen - n]
+        self.seen -= n
 
     def offload(self) -> None:
         self._map_state(lambda t: t.to("cpu", non_blocking=True))
@@ -131,9 +206,31 @@ class PrimalCacheLayer(CacheLayerMixin):
             self._map_state(lambda t: t.to(device, non_blocking=True))
 
     # -- primal interface -----------------------------------------------------------
+    def current_state(self) -> Optional[CausalState]:
+        """The running state to continue from (None before the first token)."""
+        return self.state
+
+    def history_request(self) -> int:
+        """How many per-token states the next `write` needs (0 when the layer does not record its past)."""
+        return self.crop_window + 1 if self.record_past else 0
+
     def write(self, state: CausalState, new_tokens: int, key_features: Optional[torch.Tensor] = None) -> None:
         """Store the state after `new_tokens` more tokens; `key_features` ((B, H, new_tokens, d) k_hat of those
-        tokens) extends the key history that attention matrices need (kept from the first time it is given)."""
+        tokens) extends the key history that attention matrices need (kept from the first time it is given).
+
+        When the layer records its past, `state` is what `PrimalCore.causal_forward(..., history=
+        self.history_request())` returns: the states after each of the last new tokens along a token axis."""
+        if state.count.dim() == 2:  # per-token states: keep the last crop_window + 1, the running state is the last
+            recent = state
+            if self.history is not None:
+                recent = CausalState(*(torch.cat([old, new], dim=-1 if new.dim() == 2 else 2)
+                                       for old, new in zip(self.history, recent)))
+            width = self.crop_window + 1
+            self.history = CausalState(
+                _compact(recent.sum_q[:, :, -width:]), _compact(recent.sum_k[:, :, -width:]),
+                _compact(recent.count[:, -width:]),
+            )
+            state = CausalState(state.sum_q[:, :, -1], state.sum_k[:, :, -1], state.count[:, -1])
         # The state usually arrives as views into (B, H, L, d) prefix-sum buffers of the L new tokens; storing
         # the views would keep those buffers alive, i.e. memory linear in the prompt length.
         self.state = CausalState(*(_compact(t) for t in state))
@@ -156,18 +253,145 @@ class PrimalCacheLayer(CacheLayerMixin):
         )
 
     def state_numel(self) -> int:
-        """Number of elements of the running state (independent of the context length)."""
-        return 0 if self.state is None else sum(t.numel() for t in self.state)
+        """Number of elements of the running state, plus the kept per-token states while the layer records its
+        past (at most crop_window + 1 of them): independent of the context length."""
+        numel = 0 if self.state is None else sum(t.numel() for t in self.state)
+        return numel + (0 if self.history is None else sum(t.numel() for t in self.history))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(seen={self.seen}, numel={self.state_numel()})"
 
 
-def primal_cache_layer(cache: Cache, layer_idx: int) -> PrimalCacheLayer:
+class PrimalStaticCacheLayer(PrimalCacheLayer):
+    """`PrimalCacheLayer` for static caches and compiled decoding: fixed-size buffers updated in place.
+
+    The running sums (B, H, d) and the count (B,) are allocated once (at the first write, or by
+    ``cache.early_initialization``) and then only copied into; the number of tokens fed is a 0-d tensor
+    (``cumulative_length``, as in transformers' ``StaticLayer``), so decoding steps trace to one graph. Mask sizes
+    are those of a static layer (``max_cache_len`` columns), and the new tokens' columns are read at their positions.
+    """
+
+    is_compileable = True
+    is_croppable = False
+    supports_early_init = True
+
+    def __init__(self, max_cache_len: int, crop_window: int = DEFAULT_CROP_WINDOW, **kwargs) -> None:
+        super().__init__(crop_window=crop_window)
+        self.max_cache_len = int(max_cache_len)
+        self.cumulative_length = torch.tensor(0, dtype=torch.long)
+
+    @property
+    def seen(self):
+        return self.cumulative_length if self.is_initialized else 0
+
+    @seen.setter
+    def seen(self, value) -> None:
+        if not hasattr(self, "cumulative_length"):  # PrimalCacheLayer.__init__
+            return
+        if isinstance(value, int) and value == 0:
+            self.cumulative_length.zero_()
+        else:
+            raise AttributeError("a static primal cache layer counts its tokens in place (cumulative_length)")
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads, _, dim = key_states.shape
+        wide = torch.promote_types(key_states.dtype, torch.float32)
+        device = key_states.device
+        self.state = CausalState(
+            torch.zeros(batch, heads, dim, dtype=wide, device=device),
+            torch.zeros(batch, heads, dim, dtype=wide, device=device),
+            torch.zeros(batch, dtype=torch.float32, device=device),
+        )
+        self.batch_size = batch
+        self.device = device
+        self.cumulative_length = self.cumulative_length.to(device)
+        if not torch.compiler.is_compiling():
+            for tensor in (*self.state, self.cumulative_length):
+                torch._dynamo.mark_static_address(tensor)
+        self.is_initialized = True
+
+    def get_seq_length(self):
+        return self.cumulative_length if self.is_initialized else 0
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.max_cache_len, 0
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def current_state(self) -> Optional[CausalState]:
+        return self.state if self.is_initialized else None
+
+    def history_request(self) -> int:
+        return 0
+
+    def write(self, state: CausalState, new_tokens: int, key_features: Optional[torch.Tensor] = None) -> None:
+        if key_features is not None:
+            raise ValueError(
+                "output_attentions=True is not supported for causal primal layers with a static cache: the attention "
+                "matrix of a later step needs every earlier token's normalised key, which a fixed-size primal state "
+                "does not keep. Use the default dynamic cache to get attentions."
+            )
+        if not self.is_initialized:
+            self.lazy_initialization(state.sum_q[:, :, None, :], state.sum_q[:, :, None, :])
+        if not torch.compiler.is_compiling() and int(self.cumulative_length) + int(new_tokens) > self.max_cache_len:
+            raise ValueError(
+                f"This static cache holds {self.max_cache_len} tokens (max_cache_len) and has seen "
+                f"{int(self.cumulative_length)}: {new_tokens} more do not fit in its attention mask."
+            )
+        for buffer, value in zip(self.state, state):
+            buffer.copy_(value)
+        self.cumulative_length.add_(int(new_tokens))
+
+    def reset(self) -> None:
+        # In place, like transformers' StaticLayer: compiled graphs keep pointing at the same buffers.
+        if self.is_initialized:
+            for buffer in self.state:
+                buffer.zero_()
+        self.cumulative_length.zero_()
+        self.key_features = None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove == 0:
+            return
+        raise NotImplementedError(
+            "A causal primal layer of a static cache cannot be cropped: it keeps only fixed-size running sums, updated "
+            "in place for compiled decoding, not the per-token states a rollback needs. Use the default dynamic "
+            "cache (no cache_implementation) for assisted or prompt-lookup decoding."
+        )
+
+    def activate_past_recording(self) -> None:
+        return None  # cropping is refused with a clear error instead
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(max_cache_len={self.max_cache_len}, seen={int(self.get_seq_length())})"
+
+
+def _validated_crop(self: Cache, tokens_to_remove: int) -> None:
+    """``Cache.crop`` that checks every primal layer before any layer is cropped (no half-cropped cache)."""
+    for layer in self.layers:
+        if isinstance(layer, PrimalStaticCacheLayer):
+            layer.crop(tokens_to_remove)  # refuses (or does nothing for 0) before anything is cropped
+        elif isinstance(layer, PrimalCacheLayer):
+            layer.check_crop(tokens_to_remove)
+    type(self).crop(self, tokens_to_remove)
+
+
+def _install(cache: Cache, layer_idx: int, layer: PrimalCacheLayer) -> PrimalCacheLayer:
+    cache.layers[layer_idx] = layer
+    bound = cache.__dict__.get("crop")
+    if getattr(bound, "__func__", None) is not _validated_crop:
+        # A bound method, so that copy.deepcopy(cache) rebinds it to the copy.
+        cache.crop = types.MethodType(_validated_crop, cache)
+    return layer
+
+
+def primal_cache_layer(cache: Cache, layer_idx: int, crop_window: int = DEFAULT_CROP_WINDOW) -> PrimalCacheLayer:
     """The `PrimalCacheLayer` at `layer_idx` of `cache`, installing it on first use.
 
-    Raises a clear error for caches whose layers cannot hold a primal state (static / quantized / offloaded
-    caches), instead of letting stock KV layers produce wrong tokens.
+    A `DynamicLayer` slot becomes a `PrimalCacheLayer`, a `StaticLayer` slot a `PrimalStaticCacheLayer` (before
+    either holds tokens). Raises a clear error for other layer kinds (quantized, sliding, ...) instead of letting
+    stock KV layers produce wrong tokens.
     """
     if isinstance(cache, EncoderDecoderCache):
         cache = cache.self_attention_cache
@@ -176,11 +400,18 @@ def primal_cache_layer(cache: Cache, layer_idx: int) -> PrimalCacheLayer:
         return layers[layer_idx]
     if layer_idx < len(layers):
         current = layers[layer_idx]
+        if type(current) is StaticLayer:
+            if current.is_initialized and int(current.cumulative_length) != 0:
+                raise ValueError(
+                    f"Primal-Attention layer {layer_idx} cannot use a {type(cache).__name__} whose StaticLayer already "
+                    "holds keys and values; primal layers keep running sums: start from a fresh cache."
+                )
+            return _install(cache, layer_idx, PrimalStaticCacheLayer(current.max_cache_len, crop_window=crop_window))
         if type(current) is not DynamicLayer:
             raise ValueError(
                 f"Primal-Attention layer {layer_idx} cannot use a {type(cache).__name__} whose layer is a "
                 f"{type(current).__name__}: primal layers keep a constant-size running state. Use the default "
-                "`DynamicCache` (do not pass cache_implementation='static' / a StaticCache / a quantized cache)."
+                "`DynamicCache` or a `StaticCache` (cache_implementation='static'), not a quantized / sliding cache."
             )
         if current.is_initialized:
             raise ValueError(
@@ -188,13 +419,12 @@ def primal_cache_layer(cache: Cache, layer_idx: int) -> PrimalCacheLayer:
                 f"{type(current).__name__} that already holds keys and values (was the cache filled by a model "
                 "without a primal layer there?). Primal layers keep running sums: start from a fresh cache."
             )
-        layers[layer_idx] = PrimalCacheLayer()
-        return layers[layer_idx]
+        return _install(cache, layer_idx, PrimalCacheLayer(crop_window=crop_window))
     # Lazily-grown cache (DynamicCache() without config): fill the gap with the cache's own layer type.
     while len(layers) < layer_idx:
         layers.append(cache.layer_class_to_replicate() if cache.layer_class_to_replicate else DynamicLayer())
-    layers.append(PrimalCacheLayer())
-    return layers[layer_idx]
+    layers.append(None)
+    return _install(cache, layer_idx, PrimalCacheLayer(crop_window=crop_window))
 
 
 def _tensors(value) -> list[torch.Tensor]:

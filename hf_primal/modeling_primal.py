@@ -25,7 +25,7 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2Attention, GPT2PreTrained
 from transformers.models.vit.modeling_vit import ViTAttention, ViTPreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
-from .cache import primal_cache_layer
+from .cache import DEFAULT_CROP_WINDOW, PrimalStaticCacheLayer, primal_cache_layer
 from .config import PrimalAttentionConfig
 from .primal import PrimalCore, num_sampled_tokens
 
@@ -37,15 +37,21 @@ except ImportError:  # pragma: no cover - other transformers versions: fall back
 
 # ---------------------------------------------------------------------------------------------- masks
 def valid_tokens(
-    attention_mask: Optional[torch.Tensor], batch: int, length: int, own_row: bool = False
+    attention_mask: Optional[torch.Tensor],
+    batch: int,
+    length: int,
+    own_row: bool = False,
+    past: Optional[torch.Tensor] = None,
 ) -> Optional[torch.Tensor]:
     """Which of the `length` newest tokens are real, from whatever mask transformers built.
 
     Accepts 4D boolean (True = attend) and additive float masks (sdpa / eager) and 2D masks (flash
     attention). Key validity is read from the last query row, which sees every key in both causal and
     bidirectional masks; with `own_row` (packed sequences, where the last row sees only the last sequence) from
-    whether each token attends to itself, which transformers' masks allow exactly at real tokens. Returns None
-    when every token is valid.
+    whether each token attends to itself, which transformers' masks allow exactly at real tokens. The new tokens
+    are the last `length` key columns, except with a static cache, whose masks have a column per cache slot: then
+    `past` (a 0-d tensor, the tokens already in the cache) says where they are. Returns None when every token is
+    valid.
     """
     if attention_mask is None:
         return None
@@ -58,6 +64,9 @@ def valid_tokens(
         if own_row:
             keys = attention_mask.shape[-1]
             row = torch.diagonal(attention_mask[:, 0, -length:], offset=keys - length, dim1=-2, dim2=-1)
+        elif past is not None:
+            columns = past.to(attention_mask.device) + torch.arange(length, device=attention_mask.device)
+            row = attention_mask[:, 0, -1].index_select(-1, columns)
         else:
             row = attention_mask[:, 0, -1, -length:]
         if row.dtype == torch.bool:
@@ -179,13 +188,22 @@ def run_primal(
             batch, length, kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q"),
             always=causal and torch.compiler.is_compiling(),
         )
-    valid = valid_tokens(attention_mask, batch, length, own_row=segments is not None)
     wanted = attentions_requested(module, kwargs)
     attention = None
+    layer = None
+    if causal and cache is not None:
+        layer = primal_cache_layer(cache, module.layer_idx, getattr(module, "_primal_crop_window", DEFAULT_CROP_WINDOW))
+    static = isinstance(layer, PrimalStaticCacheLayer)
+    valid = valid_tokens(
+        attention_mask, batch, length, own_row=segments is not None,
+        past=layer.cumulative_length if static else None,
+    )
     if causal:
-        layer = primal_cache_layer(cache, module.layer_idx) if cache is not None else None
-        state = layer.state if layer is not None else None
-        y, terms, new_state = core(q, k, valid=valid, state=state, segments=segments)
+        if static and wanted:
+            layer.write(None, length, key_features=q)  # raises: attentions need every earlier token's key
+        state = layer.current_state() if layer is not None else None
+        history = layer.history_request() if layer is not None else 0
+        y, terms, new_state = core(q, k, valid=valid, state=state, segments=segments, history=history)
         keys = None
         if wanted:
             past = None
@@ -415,6 +433,7 @@ def apply_primal_attention(model: nn.Module, primal_config=None) -> list[str]:
         _, module = layers[index]
         ignore += adapter.ignore_value_patterns(index)
         if getattr(module, "_is_primal_attention", False):
+            module._primal_crop_window = spec.crop_window
             continue
         if not isinstance(module, adapter.attention_class):
             raise ValueError(
@@ -434,10 +453,33 @@ def apply_primal_attention(model: nn.Module, primal_config=None) -> list[str]:
         module.__class__ = adapter.primal_class
         module.primal = core
         module._primal_causal = causal
+        module._primal_crop_window = spec.crop_window
         module.layer_idx = index
         if adapter.value_attr is not None and hasattr(module, adapter.value_attr):
             delattr(module, adapter.value_attr)
     return ignore
+
+
+def prepare_primal_cache(model: nn.Module, model_kwargs: dict, generation_config=None) -> None:
+    """Put primal cache layers into the cache `generate` just prepared, before anything runs.
+
+    Installing them up front (instead of at the first forward) lets ``cache.activate_past_recording()``, which
+    transformers calls before the prefill of assisted / prompt-lookup decoding (and right after creating an
+    assistant's cache), reach them, so they keep the per-token states that ``crop`` needs.
+    """
+    cache = model_kwargs.get("cache")
+    if cache is None or not isinstance(cache, Cache):
+        return
+    layers = [
+        m for m in model.modules()
+        if getattr(m, "_is_primal_attention", False) and getattr(m, "_primal_causal", False)
+        and getattr(m, "layer_idx", None) is not None
+    ]
+    installed = [primal_cache_layer(cache, m.layer_idx, getattr(m, "_primal_crop_window", DEFAULT_CROP_WINDOW))
+                 for m in layers]
+    if generation_config is not None and getattr(generation_config, "is_assistant", False):
+        for layer in installed:
+            layer.activate_past_recording()
 
 
 @torch.no_grad()
@@ -526,6 +568,7 @@ __all__ = [
     "drop_value_renamings",
     "inherit_weight_conversions",
     "init_primal_core",
+    "prepare_primal_cache",
     "packed_segments",
     "primal_layers",
     "valid_tokens",
@@ -673,6 +716,11 @@ class PrimalModelMixin:
                 tmp_dir, repo_id, files_timestamps={}, commit_message=commit_message, token=token,
                 create_pr=create_pr, revision=revision, commit_description=commit_description,
             )
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        result = super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        prepare_primal_cache(self, model_kwargs, generation_config)
+        return result
 
     def post_init(self):
         ignore = apply_primal_attention(self)

@@ -28,7 +28,13 @@ from transformers import PreTrainedConfig, PreTrainedModel
 
 from .config import PrimalAttentionConfig
 from .hub import save_shareable
-from .modeling_primal import PrimalModelMixin, apply_primal_attention, drop_value_renamings, init_primal_core
+from .modeling_primal import (
+    PrimalModelMixin,
+    apply_primal_attention,
+    drop_value_renamings,
+    init_primal_core,
+    prepare_primal_cache,
+)
 
 _INSTALLED = False
 
@@ -124,7 +130,18 @@ def install_hooks() -> None:
             config_dict = {**config_dict, "model_type": cls.model_type}
         return config_dict, unused
 
+    from transformers.generation.utils import GenerationMixin
+
+    original_prepare_cache = GenerationMixin._prepare_cache_for_generation
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        result = original_prepare_cache(self, generation_config, model_kwargs, *args, **kwargs)
+        if getattr(getattr(self, "config", None), "primal_attention", None) is not None:
+            prepare_primal_cache(self, model_kwargs, generation_config)
+        return result
+
     _wrap_conversion_mapping()
+    GenerationMixin._prepare_cache_for_generation = _prepare_cache_for_generation
     PreTrainedModel._finalize_model_loading = staticmethod(_finalize_model_loading)
     PreTrainedModel.save_pretrained = save_pretrained
     PreTrainedModel.push_to_hub = push_to_hub

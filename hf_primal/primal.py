@@ -526,13 +526,15 @@ class PrimalCore(nn.Module):
         valid: Optional[torch.Tensor] = None,
         state: Optional[CausalState] = None,
         segments: Optional[torch.Tensor] = None,
+        history: int = 0,
     ) -> tuple[torch.Tensor, KSVDTerms, Optional[CausalState]]:
         """Dispatch to `noncausal` or `causal_forward`; returns (y, terms, new_state or None).
 
         `segments` ((B, N) ids, or None) marks sequences packed in one row, which must not see each other.
+        `history` (causal only): see `causal_forward`.
         """
         if self.causal:
-            return self.causal_forward(q, k, valid, state, segments)
+            return self.causal_forward(q, k, valid, state, segments, history)
         if x is None:
             raise ValueError("non-causal Primal-Attention needs the layer input `x` to sample tokens from")
         y, terms = self.noncausal(q, k, x, valid, segments)
@@ -580,6 +582,7 @@ class PrimalCore(nn.Module):
         valid: Optional[torch.Tensor],
         state: Optional[CausalState] = None,
         segments: Optional[torch.Tensor] = None,
+        history: int = 0,
     ) -> tuple[torch.Tensor, KSVDTerms, CausalState]:
         """Method spec §3, continuing from `state` when given (incremental decoding).
 
@@ -589,6 +592,9 @@ class PrimalCore(nn.Module):
             state: running sums over the tokens before these L, or None at the start of a sequence.
             segments: (B, L) ids of sequences packed in one row, or None: prefix sums restart at each new id
                 (not with `state`).
+            history: when > 0, the returned state holds the states after each of the last min(L, history) new
+                tokens along a token axis (sums (B, H, n, d), count (B, n)), oldest first; the state after all L
+                tokens is the last entry. Caches keep these to roll back (crop) tokens exactly.
         Returns:
             y (B, H, L, d) (a view of a (B, L, H, d) tensor), the KSVD terms over the new valid tokens, and
             the state after the L tokens (of the last packed sequence).
@@ -619,7 +625,11 @@ class PrimalCore(nn.Module):
             sum_k = sum_k + state.sum_k[:, :, None, :]
             counts = counts + state.count[:, None]
         # Clones, so that a cache holding the state does not pin the whole (B, H, L, d) prefix sums.
-        new_state = CausalState(sum_q[:, :, -1, :].clone(), sum_k[:, :, -1, :].clone(), counts[:, -1].clone())
+        if history > 0:
+            n = min(length, int(history))
+            new_state = CausalState(sum_q[:, :, -n:, :].clone(), sum_k[:, :, -n:, :].clone(), counts[:, -n:].clone())
+        else:
+            new_state = CausalState(sum_q[:, :, -1, :].clone(), sum_k[:, :, -1, :].clone(), counts[:, -1].clone())
         denom = counts.clamp(min=1.0)[:, None, :, None]
         if dtype == torch.float16:  # raw sums can overflow fp16 in the matmul: use the prefix means
             sum_q, sum_k, floor = sum_q / denom, sum_k / denom, NORM_EPS

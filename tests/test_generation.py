@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import BertLMHeadModel, DynamicCache, DynamicLayer, GPT2LMHeadModel, StaticCache
+from transformers import BertLMHeadModel, DynamicCache, DynamicLayer, GPT2LMHeadModel
 
 from hf_primal.cache import PrimalCacheLayer, cache_nbytes
 from tests.conftest import bert_config, gpt2_config
@@ -182,6 +182,9 @@ def test_generation_continues_from_a_returned_cache(layers):
 # ------------------------------------------------------------------ constant size
 @pytest.mark.parametrize("layers", LAYOUTS)
 def test_primal_state_size_does_not_depend_on_context_length(layers):
+    # Plain decoding keeps only the running state. A cache that records its past for cropping (assisted /
+    # prompt-lookup decoding) also keeps the states after its last crop_window + 1 tokens: bounded by the window,
+    # not by the context (test_generation_modes.py::test_recorded_state_is_bounded_by_the_window).
     model = _gpt2(layers)
     primal = _primal_indices(model)
     numel, nbytes = set(), set()
@@ -232,21 +235,7 @@ def test_cache_nbytes_counts_kv_layers_and_primal_states():
 
 
 # ------------------------------------------------------------------ refused configurations
-@pytest.mark.parametrize("layers", LAYOUTS)
-def test_static_caches_are_refused_with_a_clear_error(layers):
-    model = _gpt2(layers)
-    ids = torch.randint(1, 120, (1, 5))
-    with torch.no_grad():
-        with pytest.raises(ValueError, match=r"StaticCache.*constant-size running state"):
-            model.generate(ids, max_new_tokens=4, cache_implementation="static")
-        with pytest.raises(ValueError, match=r"StaticCache.*constant-size running state"):
-            model.generate(ids, max_new_tokens=4, cache=StaticCache(config=model.config, max_cache_len=16))
-        # Nothing is left behind: the default cache still decodes exactly afterwards.
-        cached = model.generate(ids, max_new_tokens=8, do_sample=False)
-        uncached = model.generate(ids, max_new_tokens=8, do_sample=False, use_cache=False)
-    assert torch.equal(cached, uncached)
-
-
+# Static caches, compiled decoding and cropping (assisted / prompt-lookup decoding): tests/test_generation_modes.py.
 def test_cache_already_holding_keys_at_a_primal_layer_is_refused():
     # E.g. a cache filled by the stock model passed to its primal version: its KV entries cannot become sums.
     stock = GPT2LMHeadModel(gpt2_config()).eval()
@@ -257,13 +246,6 @@ def test_cache_already_holding_keys_at_a_primal_layer_is_refused():
         stock(ids, cache=cache, use_cache=True)
         with pytest.raises(ValueError, match=r"layer 1 cannot use a DynamicCache whose layer is a DynamicLayer"):
             model(torch.randint(1, 120, (1, 1)), cache=cache, use_cache=True)
-
-
-def test_assisted_decoding_is_refused_not_silently_wrong():
-    # Running sums cannot be rolled back to drop rejected draft tokens.
-    model = _gpt2([-1])
-    with torch.no_grad(), pytest.raises(ValueError, match="cropped"):
-        model.generate(torch.randint(1, 120, (1, 6)), max_new_tokens=4, prompt_lookup_num_tokens=2)
 
 
 # ------------------------------------------------------------------ benchmark script

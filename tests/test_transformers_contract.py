@@ -427,7 +427,7 @@ def test_past_key_values_format_and_cache_methods():
         handle.remove()
     assert len(cache) == 2 and cache.get_seq_length() == 5 and cache.get_seq_length(1) == 5
     assert cache.get_mask_sizes(1, 0) == cache.get_mask_sizes(1, 1) == (6, 0)
-    assert cache.get_max_length() == -1 and not cache.is_croppable and not cache.is_compileable
+    assert cache.get_max_length() == -1 and cache.is_croppable and not cache.is_compileable
     # The softmax layer keeps (B, H, N, d) keys/values, as _check_past_key_values_for_generate expects ...
     assert cache.layers[0].keys.shape == cache.layers[0].values.shape == (3, HEADS, 5, HEAD_DIM)
     # ... the primal layer keeps running sums of its own keys, and says so when asked for keys.
@@ -444,8 +444,8 @@ def test_past_key_values_format_and_cache_methods():
         list(cache)  # DynamicCache.__iter__ yields every layer's keys and values
     with pytest.raises(RuntimeError, match="caches no keys or values"):
         cache.update(torch.zeros(3, HEADS, 1, HEAD_DIM), torch.zeros(3, HEADS, 1, HEAD_DIM), 1)
-    with pytest.raises(NotImplementedError, match="cannot be cropped.*running sums"):
-        primal.crop(-1)
+    with pytest.raises(RuntimeError, match="does not record its past.*activate_past_recording"):
+        primal.crop(-1)  # a cache that did not record its past cannot roll back (test_generation_modes.py)
     sums = primal.state.sum_k.clone()
     cache.reorder_cache(torch.tensor([2, 0, 1]))
     assert torch.equal(primal.state.sum_k, sums[[2, 0, 1]])
