@@ -44,3 +44,46 @@ def test_shell_blocks_run_as_pasted(tmp_path):
                                 capture_output=True, text=True, timeout=900)
         assert result.returncode == 0, code + "\n" + result.stdout[-2000:] + result.stderr[-4000:]
     assert (tmp_path / "primal-minilm-cli" / "model.safetensors").exists()
+
+
+def _csv_rows(path):
+    import csv
+
+    with open(path, newline="", encoding="utf-8") as handle:
+        return list(csv.DictReader(handle))
+
+
+def conversion_table_rows(rows) -> list[str]:
+    """The README's conversion-benchmark table rows, formatted from scripts/results/conversion_benchmark.csv."""
+    out = []
+    for r in rows:
+        distill = float(r["distill_seconds"])
+        out.append(
+            f"| {r['variant']} | {100 * float(r['accuracy']):.1f}% | {float(r['macro_f1']):.3f} | "
+            f"{float(r['embedding_cosine']):.3f} | {f'{distill / 60:.1f} min' if distill else '-'} | "
+            f"{float(r['finetune_seconds']) / 60:.1f} min |"
+        )
+    return out
+
+
+def demo_table_rows(results) -> list[str]:
+    """The README's demo table rows, formatted from scripts/results/demo_results.json."""
+    return [
+        f"| sentence-embedding cosine vs the original, {results['heldout_sentences']} held-out sentences: plain conversion "
+        f"-> distilled | {results['cosine_plain']:.3f} -> {results['cosine_distilled']:.3f} |",
+        f"| sentiment accuracy after the same fine-tuning: stock / primal | {results['accuracy_stock']:.3f} / "
+        f"{results['accuracy_primal']:.3f} |",
+        f"| wall time of the whole demo | {results['seconds'] / 60:.1f} min |",
+    ]
+
+
+def test_readme_figures_are_those_of_the_results_files():
+    import json
+
+    results = ROOT / "scripts" / "results"
+    for line in conversion_table_rows(_csv_rows(results / "conversion_benchmark.csv")):
+        assert line in README, line
+    demo = json.loads((results / "demo_results.json").read_text())
+    assert demo["quick"] is False
+    for line in demo_table_rows(demo):
+        assert line in README, line
