@@ -166,7 +166,9 @@ class PrimalCacheLayer(CacheLayerMixin):
             raise RuntimeError(
                 f"Cannot crop a primal cache layer that does not record its past: it keeps only running sums "
                 f"({self._WHAT_IT_KEEPS}). Call `cache.activate_past_recording()` before the forward passes you may "
-                "want to undo (generate does this for assisted and prompt-lookup decoding)."
+                "want to undo (generate does this for assisted and prompt-lookup decoding). A primal layer is put into "
+                "a cache you create yourself at the model's first forward, so call it after that forward, or first run "
+                "`prepare_primal_cache(model, {'cache': cache})` from hf_primal.modeling_primal."
             )
         if n < self.seen and self.history_length() < n + 1:
             raise ValueError(
