@@ -92,14 +92,21 @@ def _results(output_dir: Path) -> tuple[dict, list[dict]]:
     return results, history
 
 
-def _assert_trained_with_ksvd(results: dict, history: list[dict]) -> None:
-    assert 0.0 <= results["eval_accuracy"] <= 1.0
-    assert math.isfinite(results["eval_ksvd_loss"]) and results["eval_ksvd_loss"] >= 0
+def _assert_trained_with_ksvd(results: dict, history: list[dict], output_dir: Path, eval_count: int) -> None:
+    """What the run reports follows from what it did: the accuracy is a whole number of right answers out of
+    `eval_count` evaluated items, and every logged training loss is the task loss plus eta (from the saved config,
+    i.e. the command line) times the logged KSVD loss, with the KSVD part large enough for that to be checked."""
+    correct = results["eval_accuracy"] * eval_count
+    assert abs(correct - round(correct)) < 1e-6 * eval_count, (results["eval_accuracy"], eval_count)
+    assert math.isfinite(results["eval_ksvd_loss"]) and results["eval_ksvd_loss"] > 0
     assert math.isfinite(results["train_loss"])
     steps = [entry for entry in history if "loss" in entry]
     assert steps, history
-    assert all("ksvd_loss" in entry and "task_loss" in entry for entry in steps), steps
-    assert all(math.isfinite(entry["ksvd_loss"]) for entry in steps)
+    eta = json.loads((output_dir / "config.json").read_text())["primal_attention"]["eta"]
+    for entry in steps:
+        # task_loss and ksvd_loss are logged rounded to 6 decimals; loss is a float32 of about 10 at most here
+        assert entry["loss"] == pytest.approx(entry["task_loss"] + eta * entry["ksvd_loss"], rel=1e-7, abs=5e-6), (eta, entry)
+    assert max(eta * entry["ksvd_loss"] for entry in steps) > 5e-5, (eta, steps)  # 10x the tolerance: the term is seen
 
 
 def _printed_metrics(text: str) -> dict:
@@ -121,7 +128,7 @@ def test_text_classification_from_scratch_all_layers(text_script, tmp_path, caps
     ])
     printed = _printed_metrics(capsys.readouterr().out)
     results, history = _results(out)
-    _assert_trained_with_ksvd(results, history)
+    _assert_trained_with_ksvd(results, history, out, results["eval_samples"])
     assert printed["eval_accuracy"] == results["eval_accuracy"] == metrics["eval_accuracy"]
     assert results["eval_samples"] == 12 and results["train_samples"] == 40
 
@@ -164,7 +171,7 @@ def test_text_classification_finetunes_pretrained_minilm_from_jsonl(text_script,
         "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4", "--learning_rate", "1e-5", *QUICK,
     ])
     results, history = _results(out)
-    _assert_trained_with_ksvd(results, history)
+    _assert_trained_with_ksvd(results, history, out, results["eval_samples"])
 
     model = AutoModelForSequenceClassification.from_pretrained(out)
     # Only MiniLM's last (6th) layer is primal.
@@ -192,7 +199,7 @@ def test_image_classification_digits_then_eval_only_reload(image_script, tmp_pat
         "--learning_rate", "2e-3", *common,
     ])
     results, history = _results(out)
-    _assert_trained_with_ksvd(results, history)
+    _assert_trained_with_ksvd(results, history, out, results["eval_samples"])
     assert results["eval_samples"] == 48
     # 20% of scikit-learn's 1797 digits are held out.
     assert results["train_samples"] == 1797 - math.ceil(0.2 * 1797)
@@ -233,7 +240,7 @@ def test_image_classification_image_folders(image_script, tmp_path):
         "--output_dir", str(out), "--max_steps", "3", "--per_device_train_batch_size", "8", *QUICK,
     ])
     results, history = _results(out)
-    _assert_trained_with_ksvd(results, history)
+    _assert_trained_with_ksvd(results, history, out, results["eval_samples"])
     assert results["eval_samples"] == 8 and results["train_samples"] == 20
     saved = json.loads((out / "config.json").read_text())
     assert saved["id2label"] == {"0": "cat", "1": "dog"}
@@ -274,9 +281,9 @@ def test_causal_lm_command_line_from_scratch_with_bert_tokenizer(tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
 
     printed = _printed_metrics(done.stdout)
-    assert printed["perplexity"] == pytest.approx(math.exp(printed["eval_loss"]))
     results, history = _results(out)
-    _assert_trained_with_ksvd(results, history)
+    assert printed["perplexity"] == pytest.approx(math.exp(printed["eval_loss"]))
+    _assert_trained_with_ksvd(results, history, out, results["eval_samples"] * (24 - 1))  # next-token accuracy
     assert results["perplexity"] == pytest.approx(printed["perplexity"])
     assert results["train_samples"] >= 4
 
