@@ -246,7 +246,7 @@ def sublayer_steps(shape: Shape, n: int) -> dict[str, Callable[[], None]]:
     def middle_step() -> None:
         attn.zero_grad(set_to_none=True)
         q.grad = k.grad = x_in.grad = None
-        run_primal(attn, q, k, x_in, None).backward(grad)
+        run_primal(attn, q, k, x_in, None)[0].backward(grad)
 
     steps["middle primal-all"] = middle_step
     return steps
