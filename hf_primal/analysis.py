@@ -1,4 +1,4 @@
-"""Singular-value spectrum of each layer's attention (method spec §10, the paper's Figure 1).
+"""Singular-value spectrum of each layer's attention (docs/method.md, "Attention kernel and spectrum", the paper's Figure 1).
 
 For a model and one batch, `attention_spectrum` returns per layer the normalised cumulative singular values
 c_k = sum_{i<=k} sigma_i / sum_i sigma_i (or with sigma^2) of every (sequence, head) attention matrix,

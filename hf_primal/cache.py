@@ -1,7 +1,7 @@
 """Constant-size generation state for causal primal layers, as a transformers cache layer.
 
 A causal primal layer needs only the running sums of its q and k and the number of valid tokens seen
-(method spec §3), so its slot in a `DynamicCache` holds a `CausalState` of shape (B, H, d) instead of
+(docs/method.md, "Causal layer"), so its slot in a `DynamicCache` holds a `CausalState` of shape (B, H, d) instead of
 keys and values that grow with the context. Canonical layers of the same model keep their KV layers.
 
 What works on a cache holding primal layers: ``get_seq_length``, ``get_mask_sizes``, ``get_max_length`` (-1),

@@ -1,4 +1,4 @@
-"""`ksvd_loss`: the KSVD regulariser of the most recent forward pass (method spec §4).
+"""`ksvd_loss`: the KSVD regulariser of the most recent forward pass (docs/method.md, "The KSVD loss").
 
 Each primal attention module keeps the `KSVDTerms` of its last forward on ``module.ksvd_terms``; this
 module only gathers them. Code semantics of the paper's released code: Lambda squared, means over valid

@@ -484,7 +484,7 @@ def prepare_primal_cache(model: nn.Module, model_kwargs: dict, generation_config
 
 @torch.no_grad()
 def init_primal_core(core: nn.Module) -> None:
-    """Method spec §5 initialisation, skipping tensors a checkpoint already filled."""
+    """docs/method.md, "Initialisation" initialisation, skipping tensors a checkpoint already filled."""
     hf_init.orthogonal_(core.We)
     hf_init.orthogonal_(core.Wr)
     hf_init.uniform_(core.Lambda, 0.0, 1.0)

@@ -8,7 +8,7 @@ Hooks, installed once, each a no-op for models whose config does not ask for pri
   and when it is serialised (configs are strict dataclasses whose ``__setattr__`` cannot be wrapped);
 * ``PreTrainedModel.post_init`` converts the selected layers *before* transformers initialises and loads
   weights, so the loader reports exactly the new primal tensors as missing and fills the q/k/out ones;
-* ``PreTrainedModel._init_weights`` initialises the new primal parameters (method spec §5);
+* ``PreTrainedModel._init_weights`` initialises the new primal parameters (docs/method.md, "Initialisation");
 * ``PreTrainedModel.save_pretrained`` writes every primal model in the shareable form (``model_type="primal_<arch>"``,
   ``auto_map``, remote code, model card; `hub.save_shareable`), so that no saved primal model loads as a softmax
   model where hf_primal is not imported; ``push_to_hub`` uploads that folder with its model card;

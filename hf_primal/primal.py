@@ -1,6 +1,6 @@
 """Primal-Attention in plain torch: no transformers import here.
 
-Shapes follow the method spec: B batch, H heads, N tokens, d head dim, C = H*d hidden size,
+Shapes follow docs/method.md: B batch, H heads, N tokens, d head dim, C = H*d hidden size,
 s = low_rank, p = sampled tokens (encoders only).
 
 Two variants share one parameter module, `PrimalCore`:
@@ -49,7 +49,7 @@ NORM_EPS = 1e-12
 
 
 class KSVDTerms(NamedTuple):
-    """Per-sequence pieces of one layer's KSVD objective J (method spec §4), all fp32.
+    """Per-sequence pieces of one layer's KSVD objective J (docs/method.md, "The KSVD loss"), all fp32.
 
     e_sum, r_sum: (B,) half the sum over heads and valid tokens of ||lambda_h * e||^2 (resp. r).
     count:        (B,) number of (head, valid token) pairs the sums ran over.
@@ -205,7 +205,7 @@ def prefix_mean_features(
     state_count: Optional[torch.Tensor] = None,
     segments: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Normalised masked prefix means of the causal layer (method spec §3), with plain autograd ops.
+    """Normalised masked prefix means of the causal layer (docs/method.md, "Causal layer"), with plain autograd ops.
 
     Args:
         v: (B, H, L, d) queries or keys of L new tokens.
@@ -549,7 +549,7 @@ class PrimalCore(nn.Module):
         valid: Optional[torch.Tensor],
         segments: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, KSVDTerms]:
-        """Method spec §2.
+        """docs/method.md, "Non-causal layer".
 
         Args:
             q, k: (B, H, N, d) projected queries and keys (no 1/sqrt(d) scaling).
@@ -584,7 +584,7 @@ class PrimalCore(nn.Module):
         segments: Optional[torch.Tensor] = None,
         history: int = 0,
     ) -> tuple[torch.Tensor, KSVDTerms, CausalState]:
-        """Method spec §3, continuing from `state` when given (incremental decoding).
+        """docs/method.md, "Causal layer", continuing from `state` when given (incremental decoding).
 
         Args:
             q, k: (B, H, L, d) projections of the L new tokens.
@@ -730,12 +730,12 @@ class PrimalCore(nn.Module):
 
 
 def num_sampled_tokens(max_tokens: int, low_rank: int, rank_multi: int) -> int:
-    """p = min(N_max, s * m) (method spec §2 step 3)."""
+    """p = min(N_max, s * m) (docs/method.md, "Non-causal layer" step 3)."""
     return max(1, min(int(max_tokens), low_rank * rank_multi))
 
 
 def ksvd_objective(terms: KSVDTerms, reduction: str = "sequence") -> torch.Tensor:
-    """J of one layer: (B,) per sequence, or a scalar over the batch (method spec §4).
+    """J of one layer: (B,) per sequence, or a scalar over the batch (docs/method.md, "The KSVD loss").
 
     Sequences without valid tokens get J = 0 - trace in the per-sequence form; callers drop them.
     """

@@ -1,4 +1,4 @@
-"""Independent, loop-by-loop re-computation of the method spec (§2 non-causal, §3 causal, §4 loss).
+"""Independent, loop-by-loop re-computation of the method in docs/method.md (non-causal layer, causal layer, KSVD loss).
 
 Deliberately naive (Python loops over sequences, heads and positions) so that it shares no code and no
 vectorisation tricks with hf_primal.primal.
@@ -62,7 +62,7 @@ def reference_causal(q, k, valid, We, Wr, head_map_w, head_map_b):
 
 @torch.no_grad()
 def reference_layer_J(e, r, valid, Lambda, We, Wr):
-    """Per-sequence and batch J of one layer (method spec §4, code semantics)."""
+    """Per-sequence and batch J of one layer (docs/method.md, "The KSVD loss", code semantics)."""
     B, H, N, s = e.shape
     lam = Lambda.double()
     trace = sum(float(torch.trace(We[h].double().T @ Wr[h].double())) for h in range(H)) / H

@@ -62,7 +62,7 @@ def test_forward_backward_every_primal_parameter_gets_gradient(arch, layers):
     assert checked == 4 * len(names)
 
 
-# ------------------------------------------------------------------ parity with the method spec
+# ------------------------------------------------------------------ parity with docs/method.md
 def _capture(module):
     store = {}
 
@@ -260,7 +260,7 @@ def test_from_pretrained_reuses_qk_and_output_weights_bit_exactly(tmp_path):
     assert info["missing_keys"] == primal | {"classifier.weight", "classifier.bias"}
     assert info["unexpected_keys"] == set() and info["mismatched_keys"] == set()
     assert "primal.We" not in json.dumps(sorted(info["unexpected_keys"]))
-    # New primal parameters are initialised per the method spec, not left as garbage.
+    # New primal parameters are initialised per docs/method.md, not left as garbage.
     We = model.bert.encoder.layer[1].attention.self.primal.We
     assert torch.allclose(We.flatten(1) @ We.flatten(1).T, torch.eye(4), atol=1e-5)
     lam = model.bert.encoder.layer[1].attention.self.primal.Lambda

@@ -70,7 +70,7 @@ def _qk(module, x):
 
 
 def _reference_noncausal_kernel(x, q, k, valid, samples):
-    """K_h = q_hat F_h^T F_h k_hat^T over each sequence's valid tokens, loop by loop (method spec §2 sampling rule)."""
+    """K_h = q_hat F_h^T F_h k_hat^T over each sequence's valid tokens, loop by loop (docs/method.md, "Non-causal layer" sampling rule)."""
     batch, heads, length, dim = q.shape
     kernel = torch.zeros(batch, heads, length, length, dtype=torch.float64)
     for b in range(batch):
@@ -88,7 +88,7 @@ def _reference_noncausal_kernel(x, q, k, valid, samples):
 
 
 def _reference_causal_kernel(q, k, valid):
-    """K_ij = <q_hat_i, k_hat_j> on normalised masked prefix means, j <= i, valid i and j (method spec §3)."""
+    """K_ij = <q_hat_i, k_hat_j> on normalised masked prefix means, j <= i, valid i and j (docs/method.md, "Causal layer")."""
     batch, heads, length, _ = q.shape
     kernel = torch.zeros(batch, heads, length, length, dtype=torch.float64)
     for b in range(batch):
