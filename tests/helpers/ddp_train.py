@@ -40,11 +40,6 @@ def main(out_dir: str, per_device_batch: int, eta: float, find_unused: str = "de
         logs = [h for h in trainer.state.log_history if "ksvd_loss" in h]
         json.dump({"final_loss": float(out.loss), "final_ksvd": final_ksvd, "world": trainer.args.world_size,
                    "logs": logs}, open(f"{out_dir}/result.json", "w"))
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        # Without an orderly shutdown, a rank that exits while gloo's threads still run aborts intermittently
-        # ("terminate called without an active exception", about 1 run in 4 here).
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
