@@ -18,10 +18,20 @@ def _run(cmd, cwd):
 
 def _launch(out, per_device_batch, eta, find_unused="default"):
     # --multi_gpu selects accelerate's torchrun launcher; without CUDA the processes use gloo on the CPU.
-    _run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-          "--num_cpu_threads_per_process", "1", "--main_process_port", "29517",
-          str(SCRIPT), str(out), str(per_device_batch), str(eta), find_unused], cwd=out)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--num_cpu_threads_per_process", "1", "--main_process_port", "29517",
+           str(SCRIPT), str(out), str(per_device_batch), str(eta), find_unused]
+    # A gloo rank intermittently aborts at teardown on CPU ("terminate called without an active exception", about
+    # 1 launch in 4 on the 2-core CI machine) after training finished; relaunch rather than fail on it. The
+    # assertions below still compare the run that completed with the single-process run.
+    for attempt in range(3):
+        try:
+            _run(cmd, cwd=out)
+            break
+        except subprocess.CalledProcessError:
+            if attempt == 2:
+                raise
     return json.loads((out / "result.json").read_text())
 
 
