@@ -277,7 +277,7 @@ def distill(
         with torch.no_grad():
             for batch in held:
                 inputs = _model_inputs(batch, device)
-                s_out, t_out = _forward_pair(student, teacher, inputs, target if target == "logits" else "hidden", causal)
+                s_out, t_out = _forward_pair(student, teacher, inputs, target, causal)
                 mask = inputs.get("attention_mask")
                 n = next(iter(inputs.values())).shape[0]
                 total += float(student_teacher_loss(s_out, t_out, mask, target, temperature, pooled_weight)) * n
