@@ -16,7 +16,7 @@ setup(
     package_data={"hf_primal": ["data/*"]},
     include_package_data=True,
     install_requires=[
-        "transformers>=5,<6",
+        "transformers>=5.23,<6",
         # Upper bound keeps pip on the CPU wheel installed beside it (CI installs torch==2.13.0 first).
         "torch>=2.4,<2.15",
         "datasets",

@@ -40,6 +40,10 @@ def _import_all() -> None:
     global _LOADED
     if _LOADED:
         return
+    # First: a transformers release that lacks an internal we hook fails here, by name, not deep in a forward.
+    from .compat import check_transformers
+
+    check_transformers()
     from .analysis import LayerSpectrum, attention_spectrum, plot_attention_spectrum
     from .config import PrimalAttentionConfig
     from .convert import convert, text_batches

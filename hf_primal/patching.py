@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import sys
 
-from transformers import PreTrainedConfig, PreTrainedModel
+from transformers import PreTrainedConfig
+
+from . import compat
 
 from .config import PrimalAttentionConfig
 from .hub import save_shareable
@@ -39,47 +41,39 @@ from .modeling_primal import (
 _INSTALLED = False
 
 
-def _check_primal_shapes(model, load_config, loading_info) -> None:
-    """A checkpoint saved with other primal settings than requested gets a ValueError, not a silent re-init."""
-    if getattr(load_config, "ignore_mismatched_sizes", False):
-        return
-    clashes = [entry for entry in loading_info.mismatched_keys if ".primal." in entry[0]]
-    if not clashes:
-        return
-    details = "; ".join(f"{key}: checkpoint {tuple(saved)} vs requested {tuple(wanted)}" for key, saved, wanted in sorted(clashes, key=str))
-    raise ValueError(
-        f"The checkpoint {str(load_config.pretrained_model_name_or_path)!r} holds primal parameters whose shapes disagree "
-        f"with the requested primal_attention={model.config.primal_attention} ({details}). Load it without a "
-        "primal_attention override (its config.json already has the settings it was saved with), or pass "
-        "ignore_mismatched_sizes=True to re-initialise those tensors."
-    )
-
-
 def _normalise(config) -> None:
     value = config.__dict__.get("primal_attention")
     if value is not None:
         config.__dict__["primal_attention"] = PrimalAttentionConfig.coerce(value).to_dict()
 
 
+_PM = "transformers.modeling_utils.PreTrainedModel"
+_PC = "transformers.configuration_utils.PreTrainedConfig"
+
+
 def install_hooks() -> None:
-    """Install the construction-time hooks (idempotent; `import hf_primal` calls it)."""
+    """Install the construction-time hooks (idempotent; `import hf_primal` calls it).
+
+    Every replaced method is listed in `compat.INTERNALS` (checked when hf_primal is imported); `compat.patch`
+    refuses anything that is not.
+    """
     global _INSTALLED
     if _INSTALLED:
         return
 
-    original_config_post_init = PreTrainedConfig.__post_init__
+    original_config_post_init = compat.original(f"{_PC}.__post_init__")
 
     def __post_init__(self, *args, **kwargs):
         original_config_post_init(self, *args, **kwargs)
         _normalise(self)
 
-    original_to_dict = PreTrainedConfig.to_dict
+    original_to_dict = compat.original(f"{_PC}.to_dict")
 
     def to_dict(self):
         _normalise(self)
         return original_to_dict(self)
 
-    original_post_init = PreTrainedModel.post_init
+    original_post_init = compat.original(f"{_PM}.post_init")
 
     def post_init(self):
         wants_primal = getattr(self.config, "primal_attention", None) is not None
@@ -91,20 +85,14 @@ def install_hooks() -> None:
             # Value projections of primal layers are gone on purpose: keep them out of the load report.
             self._keys_to_ignore_on_load_unexpected = set(self._keys_to_ignore_on_load_unexpected or ()) | set(ignore)
 
-    original_init_weights = PreTrainedModel._init_weights
+    original_init_weights = compat.original(f"{_PM}._init_weights")
 
     def _init_weights(self, module):
         original_init_weights(self, module)
         if getattr(module, "_is_primal_core", False):
             init_primal_core(module)
 
-    original_finalize = PreTrainedModel._finalize_model_loading
-
-    def _finalize_model_loading(model, load_config, loading_info):
-        _check_primal_shapes(model, load_config, loading_info)
-        return original_finalize(model, load_config, loading_info)
-
-    original_save_pretrained = PreTrainedModel.save_pretrained
+    original_save_pretrained = compat.original(f"{_PM}.save_pretrained")
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         # Adapter-only saves (transformers' own PEFT integration) write no config.json to make shareable.
@@ -112,7 +100,7 @@ def install_hooks() -> None:
             return original_save_pretrained(self, save_directory, *args, **kwargs)
         return save_shareable(self, original_save_pretrained, save_directory, *args, **kwargs)
 
-    original_push_to_hub = PreTrainedModel.push_to_hub
+    original_push_to_hub = compat.original(f"{_PM}.push_to_hub")
 
     def push_to_hub(self, *args, **kwargs):
         # Upload what save_pretrained writes, model card included (transformers would put a generic card over it).
@@ -120,7 +108,7 @@ def install_hooks() -> None:
             return original_push_to_hub(self, *args, **kwargs)
         return PrimalModelMixin.push_to_hub(self, *args, **kwargs)
 
-    original_get_config_dict = PreTrainedConfig.get_config_dict.__func__
+    original_get_config_dict = compat.original(f"{_PC}.get_config_dict").__func__
 
     def get_config_dict(cls, *args, **kwargs):
         config_dict, unused = original_get_config_dict(cls, *args, **kwargs)
@@ -130,9 +118,8 @@ def install_hooks() -> None:
             config_dict = {**config_dict, "model_type": cls.model_type}
         return config_dict, unused
 
-    from transformers.generation.utils import GenerationMixin
-
-    original_prepare_cache = GenerationMixin._prepare_cache_for_generation
+    prepare_path = "transformers.generation.utils.GenerationMixin._prepare_cache_for_generation"
+    original_prepare_cache = compat.original(prepare_path)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         result = original_prepare_cache(self, generation_config, model_kwargs, *args, **kwargs)
@@ -141,31 +128,29 @@ def install_hooks() -> None:
         return result
 
     _wrap_conversion_mapping()
-    GenerationMixin._prepare_cache_for_generation = _prepare_cache_for_generation
-    PreTrainedModel._finalize_model_loading = staticmethod(_finalize_model_loading)
-    PreTrainedModel.save_pretrained = save_pretrained
-    PreTrainedModel.push_to_hub = push_to_hub
-    PreTrainedConfig.get_config_dict = classmethod(get_config_dict)
+    compat.patch(prepare_path, _prepare_cache_for_generation)
+    compat.patch(f"{_PM}.save_pretrained", save_pretrained)
+    compat.patch(f"{_PM}.push_to_hub", push_to_hub)
+    compat.patch(f"{_PC}.get_config_dict", classmethod(get_config_dict))
+    # A class attribute, not a patched method: routes `from_pretrained(..., primal_attention=...)` into the config.
     PreTrainedConfig.primal_attention = None
-    PreTrainedConfig.__post_init__ = __post_init__
-    PreTrainedConfig.to_dict = to_dict
-    PreTrainedModel.post_init = post_init
-    PreTrainedModel._init_weights = _init_weights
+    compat.patch(f"{_PC}.__post_init__", __post_init__)
+    compat.patch(f"{_PC}.to_dict", to_dict)
+    compat.patch(f"{_PM}.post_init", post_init)
+    compat.patch(f"{_PM}._init_weights", _init_weights)
     _INSTALLED = True
 
 
 def _wrap_conversion_mapping() -> None:
     """Route transformers' per-model weight-conversion lookup through `drop_value_renamings`."""
-    try:
-        from transformers import conversion_mapping
-    except ImportError:  # pragma: no cover - transformers without weight conversions
-        return
-    original = conversion_mapping.get_model_conversion_mapping
+    path = "transformers.conversion_mapping.get_model_conversion_mapping"
+    original = compat.original(path)
 
     def get_model_conversion_mapping(model, *args, **kwargs):
         return drop_value_renamings(model, original(model, *args, **kwargs))
 
     get_model_conversion_mapping.__wrapped__ = original
+    compat.patch(path, get_model_conversion_mapping)
     # Modules that ran `from .conversion_mapping import get_model_conversion_mapping` hold their own reference;
     # modules imported later, and lazy imports, read the patched module attribute.
     for name, module in list(sys.modules.items()):

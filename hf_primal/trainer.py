@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from transformers import Trainer
 
+from .compat import check_trainer_instance
 from .distill import check_compatible, resolve_target, student_teacher_loss
 from .loss import REDUCTIONS, clear_ksvd_terms, collect_ksvd_terms, ksvd_from_terms, primal_model
 
@@ -75,6 +76,7 @@ class PrimalTrainer(Trainer):
         **kwargs: Any,
     ):
         super().__init__(*args, **kwargs)
+        check_trainer_instance(self)
         inner = primal_model(self.model)
         spec = getattr(getattr(inner, "config", None), "primal_attention", None)
         if spec is None:

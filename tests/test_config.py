@@ -123,12 +123,15 @@ def test_unsupported_architecture_via_from_pretrained(tmp_path):
 
 
 def test_checkpoint_primal_shapes_disagree(tmp_path):
+    # transformers' own loader refuses mismatched shapes (its load report names each primal tensor); hf_primal
+    # needs no private hook for it. With ignore_mismatched_sizes=True the requested shapes are re-initialised.
     BertModel(bert_config(primal_attention={"layers": [-1], "low_rank": 4})).save_pretrained(tmp_path)
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
         BertModel.from_pretrained(tmp_path, primal_attention={"layers": [-1], "low_rank": 5})
-    message = str(err.value)
-    assert "primal.We" in message and "(4, 40, 4)" in message and "(4, 50, 5)" in message
-    assert "low_rank': 5" in message
+    model = BertModel.from_pretrained(tmp_path, primal_attention={"layers": [-1], "low_rank": 5},
+                                      ignore_mismatched_sizes=True)
+    core = model.encoder.layer[1].attention.self.primal
+    assert tuple(core.We.shape) == (4, 50, 5) and torch.isfinite(core.We).all()
 
 
 def test_all_entry_points_accept_dict_and_dataclass(tmp_path):

@@ -1,0 +1,196 @@
+"""Every transformers internal hf_primal patches or relies on, checked when hf_primal is imported.
+
+hf_primal hooks a handful of base-class methods (`patching.install_hooks`) and subclasses or calls some
+transformers internals that are not public API. A release that renames one of them would otherwise break a user
+silently (a hook that never fires) or deep inside a forward pass. `check_transformers` resolves every entry of
+`INTERNALS` and checks the parameters hf_primal passes or receives, and raises `IncompatibleTransformersError` naming
+the installed transformers version, the missing piece and the supported range. `patching` takes the originals it
+wraps from here (`original`), so nothing is patched that is not listed.
+
+Keep `TRANSFORMERS_RANGE` equal to the requirement in setup.py (a test checks it); `.ci/run` runs the test suite on
+the lowest and the newest release in that range.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+TRANSFORMERS_RANGE = ">=5.23,<6"
+
+
+class IncompatibleTransformersError(ImportError):
+    """The installed transformers lacks (or changed) an internal hf_primal needs."""
+
+
+@dataclass(frozen=True)
+class Internal:
+    path: str  # dotted: module path, then attributes
+    why: str  # what hf_primal does with it (shown in the error)
+    params: tuple[str, ...] = ()  # parameter names the callable must accept
+    patched: bool = False  # hf_primal replaces it (patching.install_hooks)
+
+    @property
+    def private(self) -> bool:
+        return any(part.startswith("_") and not part.startswith("__") for part in self.path.split("."))
+
+
+_PM = "transformers.modeling_utils.PreTrainedModel"
+_PC = "transformers.configuration_utils.PreTrainedConfig"
+_TR = "transformers.trainer.Trainer"
+_CU = "transformers.cache_utils"
+
+INTERNALS: tuple[Internal, ...] = (
+    # Patched by patching.install_hooks.
+    Internal(f"{_PC}.__post_init__", "validate and normalise `primal_attention` when a config is created", patched=True),
+    Internal(f"{_PC}.to_dict", "serialise `primal_attention` as a plain dict", patched=True),
+    Internal(f"{_PC}.get_config_dict", "read a saved primal_<arch> folder with the stock config class", patched=True),
+    Internal(f"{_PM}.post_init", "convert the chosen layers before weights are initialised and loaded", patched=True),
+    Internal(f"{_PM}._init_weights", "initialise the new primal parameters", ("module",), patched=True),
+    Internal(f"{_PM}.save_pretrained", "save every primal model in the shareable form", ("save_directory",),
+             patched=True),
+    Internal(f"{_PM}.push_to_hub", "upload the shareable folder with its model card", patched=True),
+    Internal("transformers.generation.utils.GenerationMixin._prepare_cache_for_generation",
+             "put constant-size primal layers into generate()'s cache", ("generation_config", "model_kwargs"),
+             patched=True),
+    Internal("transformers.conversion_mapping.get_model_conversion_mapping",
+             "drop weight-renaming rules for the value projections primal layers no longer have", ("model",),
+             patched=True),
+    # Relied on.
+    Internal("transformers.conversion_mapping.get_checkpoint_conversion_mapping",
+             "give shareable Primal* classes the renaming rules of their stock class"),
+    Internal("transformers.conversion_mapping.register_checkpoint_conversion_mapping",
+             "give shareable Primal* classes the renaming rules of their stock class"),
+    Internal("transformers.utils.output_capturing._active_collector",
+             "return the kernel matrix when output_attentions=True is requested through the output collector"),
+    Internal(f"{_PM}._keys_to_ignore_on_load_unexpected", "keep dropped value projections out of the load report"),
+    Internal("transformers.initialization.orthogonal_", "initialise W_e and W_r"),
+    Internal("transformers.initialization.uniform_", "initialise Lambda"),
+    Internal(f"{_CU}.Cache.crop", "roll primal sums back for assisted / prompt-lookup decoding",
+             ("tokens_to_remove",)),
+    Internal(f"{_CU}.Cache.activate_past_recording", "keep per-token history for cropping"),
+    # The layer interface Cache calls on each layer; the primal cache layers override these by name.
+    Internal(f"{_CU}.CacheLayerMixin.update", "primal cache layer interface", ("key_states", "value_states")),
+    Internal(f"{_CU}.CacheLayerMixin.lazy_initialization", "primal cache layer interface",
+             ("key_states", "value_states")),
+    Internal(f"{_CU}.CacheLayerMixin.get_seq_length", "primal cache layer interface"),
+    Internal(f"{_CU}.CacheLayerMixin.get_mask_sizes", "primal cache layer interface", ("query_length",)),
+    Internal(f"{_CU}.CacheLayerMixin.get_max_length", "primal cache layer interface"),
+    Internal(f"{_CU}.CacheLayerMixin.reset", "primal cache layer interface"),
+    Internal(f"{_CU}.CacheLayerMixin.reorder_cache", "primal cache layer interface (beam search)", ("beam_idx",)),
+    Internal(f"{_CU}.DynamicLayer.crop", "primal cache layer interface", ("tokens_to_remove",)),
+    Internal(f"{_CU}.DynamicLayer.batch_repeat_interleave", "primal cache layer interface", ("repeats",)),
+    Internal(f"{_CU}.DynamicLayer.batch_select_indices", "primal cache layer interface", ("indices",)),
+    Internal(f"{_CU}.DynamicLayer", "fill gaps of a lazily grown DynamicCache"),
+    Internal(f"{_CU}.StaticLayer", "recognise static caches"),
+    Internal(f"{_CU}.EncoderDecoderCache", "find the self-attention cache of encoder-decoder caches"),
+    Internal("transformers.models.auto.modeling_auto.MODEL_MAPPING_NAMES", "derive the auto_map of shared models"),
+    Internal(f"{_TR}.compute_loss", "add eta * KSVD (and distillation) to the task loss",
+             ("model", "inputs", "return_outputs", "num_items_in_batch")),
+    Internal(f"{_TR}.create_optimizer", "give new primal parameters their own parameter group"),
+    Internal(f"{_TR}.prediction_step", "collect the KSVD loss during evaluation",
+             ("model", "inputs", "prediction_loss_only", "ignore_keys")),
+    Internal(f"{_TR}.evaluation_loop", "report eval_ksvd_loss"),
+    Internal(f"{_TR}.log", "log ksvd_loss, task_loss and distill_loss with the loss"),
+)
+
+# Set by Trainer.__init__; checked by PrimalTrainer after it ran (instances only).
+TRAINER_ATTRIBUTES = ("model_accepts_loss_kwargs", "compute_loss_func", "accelerator")
+
+
+def _installed_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def _problem(entry: Internal, what: str) -> IncompatibleTransformersError:
+    return IncompatibleTransformersError(
+        f"hf_primal needs transformers{TRANSFORMERS_RANGE}, and the installed transformers {_installed_version()} "
+        f"{what} `{entry.path}` (hf_primal uses it to {entry.why}). Install a supported version: "
+        f"pip install 'transformers{TRANSFORMERS_RANGE}'."
+    )
+
+
+def _resolve(path: str) -> Any:
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            obj = getattr(obj, name)  # AttributeError: missing
+        return obj
+    raise ImportError(path)
+
+
+def original(path: str) -> Any:
+    """The object at a listed `path` (plain attribute access: a classmethod comes back bound)."""
+    return _resolve(_entry(path).path)
+
+
+def patch(path: str, replacement: Any) -> None:
+    """Replace a listed internal marked ``patched`` (so every patch hf_primal makes is in `INTERNALS`)."""
+    entry = _entry(path)
+    if not entry.patched:
+        raise KeyError(f"{path!r} is listed in hf_primal.compat.INTERNALS as relied on, not patched")
+    owner_path, _, name = entry.path.rpartition(".")
+    setattr(_resolve(owner_path), name, replacement)
+
+
+def patched_internals() -> list[str]:
+    return [entry.path for entry in INTERNALS if entry.patched]
+
+
+def _entry(path: str) -> Internal:
+    for entry in INTERNALS:
+        if entry.path == path:
+            return entry
+    raise KeyError(f"{path!r} is not listed in hf_primal.compat.INTERNALS; list every transformers internal you use")
+
+
+def check_transformers(internals: tuple[Internal, ...] = INTERNALS) -> None:
+    """Raise `IncompatibleTransformersError` for the first internal that is missing or lost a parameter."""
+    for entry in internals:
+        try:
+            obj = _resolve(entry.path)
+        except (ImportError, AttributeError):
+            raise _problem(entry, "has no") from None
+        if entry.params:
+            func = obj.__func__ if inspect.ismethod(obj) else obj
+            try:
+                accepted = inspect.signature(func).parameters
+            except (TypeError, ValueError):
+                raise _problem(entry, "has an uninspectable") from None
+            missing = [p for p in entry.params if p not in accepted]
+            if missing:
+                raise _problem(entry, f"dropped the parameter(s) {missing} of")
+    _warn_outside_range()
+
+
+def _warn_outside_range() -> None:
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    installed = Version(_installed_version())
+    if Version(installed.base_version) not in SpecifierSet(TRANSFORMERS_RANGE):
+        warnings.warn(
+            f"hf_primal is tested with transformers{TRANSFORMERS_RANGE}; the installed {installed} is outside that "
+            "range. Every hooked internal was found, but results are untested.",
+            stacklevel=3,
+        )
+
+
+def check_trainer_instance(trainer: Any) -> None:
+    """After `Trainer.__init__`: the attributes PrimalTrainer reads must exist."""
+    missing = [name for name in TRAINER_ATTRIBUTES if not hasattr(trainer, name)]
+    if missing:
+        raise IncompatibleTransformersError(
+            f"hf_primal needs transformers{TRANSFORMERS_RANGE}, and Trainer of the installed transformers "
+            f"{_installed_version()} does not set {missing} (PrimalTrainer reads them to scale the KSVD loss under "
+            f"gradient accumulation). Install a supported version: pip install 'transformers{TRANSFORMERS_RANGE}'."
+        )

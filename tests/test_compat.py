@@ -1,0 +1,131 @@
+"""The transformers internals hf_primal hooks are listed in one place and checked at import."""
+
+import inspect
+import os
+import re
+import subprocess
+import sys
+import warnings
+
+import pytest
+import transformers
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+from transformers import PreTrainedConfig, PreTrainedModel
+from transformers.generation.utils import GenerationMixin
+
+import hf_primal  # noqa: F401  (installs the hooks)
+from hf_primal import compat
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _owner_and_name(path: str):
+    owner_path, _, name = path.rpartition(".")
+    return compat._resolve(owner_path), name
+
+
+def test_setup_py_declares_the_checked_range():
+    with open(os.path.join(ROOT, "setup.py")) as f:
+        requirements = re.findall(r'"transformers([^"]*)"', f.read())
+    assert requirements == [compat.TRANSFORMERS_RANGE]
+    # CI runs the suite on the lowest and newest release of that range: the installed one must be inside it.
+    assert Version(Version(transformers.__version__).base_version) in SpecifierSet(compat.TRANSFORMERS_RANGE)
+
+
+def test_every_listed_internal_resolves_on_the_installed_transformers():
+    compat.check_transformers()
+    owners = [compat._resolve(entry.path.rpartition(".")[0]) for entry in compat.INTERNALS]
+    assert all(hasattr(owner, entry.path.rpartition(".")[2]) for owner, entry in zip(owners, compat.INTERNALS))
+
+
+@pytest.mark.parametrize("entry", compat.INTERNALS, ids=lambda e: e.path.replace("transformers.", ""))
+def test_a_missing_internal_is_named_with_version_and_range(entry, monkeypatch):
+    owner, name = _owner_and_name(entry.path)
+    # Remove it wherever the lookup could find it (the owner and, for classes, every base defining it).
+    holders = [cls for cls in owner.__mro__ if name in vars(cls)] if inspect.isclass(owner) else [owner]
+    assert holders, entry.path
+    for holder in holders:
+        monkeypatch.delattr(holder, name)
+    with pytest.raises(compat.IncompatibleTransformersError) as err:
+        compat.check_transformers()
+    message = str(err.value)
+    assert entry.path in message and transformers.__version__ in message and compat.TRANSFORMERS_RANGE in message
+
+
+@pytest.mark.parametrize("entry", [e for e in compat.INTERNALS if e.params], ids=lambda e: e.path.split(".")[-1])
+def test_a_dropped_parameter_is_named(entry, monkeypatch):
+    owner, name = _owner_and_name(entry.path)
+    kept = [p for p in entry.params[:-1]]
+    dropped = entry.params[-1]
+    namespace: dict = {}
+    exec(f"def {name}(self, {', '.join(kept + ['other'])}): pass", namespace)
+    replacement = namespace[name]
+    if isinstance(inspect.getattr_static(owner, name), classmethod):
+        replacement = classmethod(replacement)
+    monkeypatch.setattr(owner, name, replacement)
+    with pytest.raises(compat.IncompatibleTransformersError, match=re.escape(f"['{dropped}']")):
+        compat.check_transformers()
+
+
+def test_every_patched_internal_is_replaced_by_hf_primal():
+    for path in compat.patched_internals():
+        current = compat._resolve(path)
+        func = getattr(current, "__func__", current)
+        assert func.__module__.startswith("hf_primal."), path
+
+
+def test_nothing_is_patched_that_is_not_listed():
+    listed = set(compat.patched_internals())
+    owners = {
+        "transformers.modeling_utils.PreTrainedModel": PreTrainedModel,
+        "transformers.configuration_utils.PreTrainedConfig": PreTrainedConfig,
+        "transformers.generation.utils.GenerationMixin": GenerationMixin,
+    }
+    for prefix, cls in owners.items():
+        for name, value in vars(cls).items():
+            func = getattr(value, "__func__", value)
+            if callable(func) and getattr(func, "__module__", "").startswith("hf_primal"):
+                assert f"{prefix}.{name}" in listed, f"{prefix}.{name} is patched but not in compat.INTERNALS"
+    from transformers import conversion_mapping
+
+    assert conversion_mapping.get_model_conversion_mapping.__module__.startswith("hf_primal")
+    with pytest.raises(KeyError, match="not listed"):
+        compat.patch("transformers.modeling_utils.PreTrainedModel.from_pretrained", None)
+    with pytest.raises(KeyError, match="relied on, not patched"):
+        compat.patch("transformers.trainer.Trainer.log", None)
+
+
+def test_import_fails_clearly_when_transformers_lacks_a_hooked_internal():
+    code = (
+        "from transformers.generation.utils import GenerationMixin\n"
+        "del GenerationMixin._prepare_cache_for_generation\n"
+        "import hf_primal\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("hf_primal.compat.IncompatibleTransformersError")
+    assert "GenerationMixin._prepare_cache_for_generation" in last
+    assert f"installed transformers {transformers.__version__}" in last and compat.TRANSFORMERS_RANGE in last
+
+
+@pytest.mark.parametrize("version, warns", [("4.57.6", True), ("6.0.0", True), (None, False)])
+def test_versions_outside_the_range_warn(version, warns, monkeypatch):
+    if version is not None:
+        monkeypatch.setattr(compat, "_installed_version", lambda: version)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compat.check_transformers()
+    messages = [str(w.message) for w in caught if "outside that range" in str(w.message)]
+    assert bool(messages) == warns
+    if warns:
+        assert version in messages[0] and compat.TRANSFORMERS_RANGE in messages[0]
+
+
+def test_trainer_attributes_are_checked():
+    class NotATrainer:
+        accelerator = None
+
+    with pytest.raises(compat.IncompatibleTransformersError, match=r"\['model_accepts_loss_kwargs', 'compute_loss_func'\]"):
+        compat.check_trainer_instance(NotATrainer())
