@@ -166,7 +166,7 @@ def run_primal(
     packed sequences (only without a cache, as for transformers' masks), ``output_attentions`` is read when no
     output collector is active. Returns the merged heads and, when attentions were asked for, the layer's
     kernel matrix (`PrimalCore.attention_kernel`), else None. Keeps the layer's `KSVDTerms` on
-    ``module.ksvd_terms`` for the loss.
+    ``module.ksvd_terms`` for the loss (None after a decoding step, which skips them).
     """
     batch, heads, length, dim = q.shape
     core = module.primal
@@ -209,19 +209,18 @@ def run_primal(
         y, terms, _ = core(q, k, x=x, valid=valid, segments=segments)
         if wanted:
             attention, _ = core.attention_kernel(q, k, x=x, valid=valid, segments=segments)
+    # None after a decoding step (cached state, autograd off): generation never reads the KSVD terms. Lambda, which
+    # enters only the KSVD loss, is tied to the output inside PrimalCore (DDP with find_unused_parameters needs it).
     module.ksvd_terms = terms
-    # Lambda enters only the KSVD loss. Tying a zero-valued copy of the terms to the output makes every primal
-    # parameter reachable from the forward's outputs, which DDP with find_unused_parameters=True (Trainer's
-    # default) needs; otherwise it marks Lambda unused and then fails when the loss's backward reaches it.
-    tie = (terms.e_sum.sum() + terms.r_sum.sum()).to(y.dtype) * 0.0
+    out = y.transpose(1, 2).reshape(batch, length, heads * dim)
     if attention is not None:
         attention = attention.to(q.dtype)
         if attention.requires_grad and attention.numel() > 0:
             # The kernel does not feed the output (the layer never forms it); a zero-weight tie puts the returned
             # tensor on the path to any loss, so attentions[i].retain_grad() gets a (zero) gradient like softmax
             # weights do. nan_to_num keeps an overflowing entry from turning the output into NaN.
-            tie = tie + torch.nan_to_num(attention.reshape(-1)[:1] * 0.0).sum().to(y.dtype)
-    return y.transpose(1, 2).reshape(batch, length, heads * dim) + tie, attention
+            out = out + torch.nan_to_num(attention.reshape(-1)[:1] * 0.0).sum().to(y.dtype)
+    return out, attention
 
 
 def pop_cache(cache: Optional[Cache], kwargs: dict) -> Optional[Cache]:

@@ -45,7 +45,11 @@ def collect_ksvd_terms(model: nn.Module) -> list[KSVDTerms]:
         )
     terms = [getattr(m, "ksvd_terms", None) for m in modules]
     if any(t is None for t in terms):
-        raise ValueError("ksvd_loss: no forward pass has run through the primal layers yet; call the model first.")
+        raise ValueError(
+            "ksvd_loss: the primal layers hold no KSVD terms: either no forward pass has run through them yet, or the "
+            "last one was a decoding step (continuing a cache with autograd off), which skips them; run a forward "
+            "over whole sequences (with grad, or without a cache state) first."
+        )
     return terms
 
 

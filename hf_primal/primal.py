@@ -355,21 +355,52 @@ def _weight_grad(v: torch.Tensor, g_raw: torch.Tensor, shared: bool) -> torch.Te
     return torch.matmul(g_raw.mT, v).mT
 
 
-def _inverse_norm(v: torch.Tensor, floor: Union[float, torch.Tensor], keep: Optional[torch.Tensor]):
-    """(B, H, N, d) -> 1 / max(||v||, floor) as (B, H, N, 1), 0 at dropped tokens; and where the norm is live.
+def _inverse_norm(v: torch.Tensor, floor: Union[float, torch.Tensor], keep: Optional[torch.Tensor], live: bool = True):
+    """(B, H, N, d) -> 1 / max(||v||, floor) as (B, H, N, 1), 0 at dropped tokens; and where the norm is live
+    (None when `live` is False: only the backward needs it).
 
     The norm accumulates in fp32 (or wider) without a widened copy of v.
     """
     norm = torch.linalg.vector_norm(v, dim=-1, keepdim=True, dtype=torch.promote_types(v.dtype, torch.float32))
+    where_live = norm > floor if live else None  # where the floor is active, 1 / floor does not depend on v
     if isinstance(floor, torch.Tensor):
-        inv = torch.maximum(norm, floor).reciprocal()
+        inv = torch.maximum(norm, floor).reciprocal_()
     else:
-        inv = norm.clamp(min=floor).reciprocal()
-    live = norm > floor  # where the floor is active, 1 / floor does not depend on v
+        inv = norm.clamp_(min=floor).reciprocal_()
     if keep is not None:
         inv = inv.masked_fill(~keep, 0.0)
-        live = live & keep
-    return inv, live
+        if where_live is not None:
+            where_live = where_live & keep
+    return inv, where_live
+
+
+def _heads_forward(q, k, w_e, w_r, weight, bias, floor, keep, for_backward: bool = False, with_s2: bool = True):
+    """The forward of `_PrimalHeads` as plain tensor code: (y as (B, N, H, d), S2 or None, what backward keeps).
+
+    Without `for_backward` (no autograd graph to build) the liveness masks are not formed and nothing is kept;
+    without `with_s2` the KSVD sums are skipped (decoding needs only y).
+    """
+    batch, heads, length, _ = q.shape
+    s = w_e.shape[-1]
+    cdtype = torch.promote_types(q.dtype, torch.float32)
+    inv_q, live_q = _inverse_norm(q, floor, keep, live=for_backward)
+    inv_k, live_k = _inverse_norm(k, floor, keep, live=for_backward)
+    # Columns: [e | r | keep flag | zero padding]. The flag column carries the bias, so dropped rows come
+    # out exactly 0; padding the width to a multiple of 16 makes the head-map GEMMs ~1.4x faster in MKL.
+    width = -(-(2 * s + 1) // 16) * 16
+    z = torch.empty(batch, length, heads, width, dtype=cdtype, device=q.device)
+    zt = z.transpose(1, 2)
+    _scores_into(zt[..., :s], q, w_e, inv_q)
+    _scores_into(zt[..., s : 2 * s], k, w_r, inv_k)
+    # (B, H, 2s); vector_norm over this axis is ~9x slower on CPU
+    s2 = z[..., : 2 * s].square().sum(dim=1) if with_s2 else None
+    zt[..., 2 * s] = 1.0 if keep is None else keep[..., 0]
+    zt[..., 2 * s + 1 :] = 0.0
+    full_weight = torch.cat([weight, bias[:, None], weight.new_zeros(weight.shape[0], width - 2 * s - 1)], dim=1)
+    mm_dtype = q.dtype
+    y = torch.matmul(z.to(mm_dtype), full_weight.to(mm_dtype).mT)
+    saved = (full_weight, z, inv_q, inv_k, live_q, live_k) if for_backward else ()
+    return y, s2, saved
 
 
 class _PrimalHeads(torch.autograd.Function):
@@ -389,25 +420,8 @@ class _PrimalHeads(torch.autograd.Function):
     def forward(ctx, q, k, w_e, w_r, weight, bias, floor, keep):
         # q, k: (B, H, N, d); w_e, w_r: (B, H, d, s) or (H, d, s); weight (d, 2s), bias (d,);
         # floor: float or (B, 1, N, 1); keep: (B, 1, N, 1) bool or None (every token kept).
-        batch, heads, length, _ = q.shape
-        s = w_e.shape[-1]
-        cdtype = torch.promote_types(q.dtype, torch.float32)
-        inv_q, live_q = _inverse_norm(q, floor, keep)
-        inv_k, live_k = _inverse_norm(k, floor, keep)
-        # Columns: [e | r | keep flag | zero padding]. The flag column carries the bias, so dropped rows come
-        # out exactly 0; padding the width to a multiple of 16 makes the head-map GEMMs ~1.4x faster in MKL.
-        width = -(-(2 * s + 1) // 16) * 16
-        z = torch.empty(batch, length, heads, width, dtype=cdtype, device=q.device)
-        zt = z.transpose(1, 2)
-        _scores_into(zt[..., :s], q, w_e, inv_q)
-        _scores_into(zt[..., s : 2 * s], k, w_r, inv_k)
-        s2 = z[..., : 2 * s].square().sum(dim=1)  # (B, H, 2s); vector_norm over this axis is ~9x slower on CPU
-        zt[..., 2 * s] = 1.0 if keep is None else keep[..., 0]
-        zt[..., 2 * s + 1 :] = 0.0
-        full_weight = torch.cat([weight, bias[:, None], weight.new_zeros(weight.shape[0], width - 2 * s - 1)], dim=1)
-        mm_dtype = q.dtype
-        y = torch.matmul(z.to(mm_dtype), full_weight.to(mm_dtype).mT)
-        ctx.save_for_backward(q, k, w_e, w_r, full_weight, z, inv_q, inv_k, live_q, live_k)
+        y, s2, saved = _heads_forward(q, k, w_e, w_r, weight, bias, floor, keep, for_backward=True)
+        ctx.save_for_backward(q, k, w_e, w_r, *saved)
         ctx.dtypes = (weight.dtype, bias.dtype, w_e.dtype, y.dtype)
         return y.transpose(1, 2), s2
 
@@ -497,16 +511,33 @@ class PrimalCore(nn.Module):
         w_r: torch.Tensor,
         floor: Union[float, torch.Tensor],
         valid: Optional[torch.Tensor],
-    ) -> tuple[torch.Tensor, KSVDTerms]:
+        need_terms: bool = True,
+    ) -> tuple[torch.Tensor, Optional[KSVDTerms]]:
         """Scores, head map and KSVD sums shared by both variants.
 
         v_q, v_k: (B, H, N, d) rows whose normalisation is the feature map; w_e, w_r: their projection
-        weights. Returns y as a (B, H, N, d) view of a token-major (B, N, H, d) tensor.
+        weights. Returns y as a (B, H, N, d) view of a token-major (B, N, H, d) tensor, and the KSVD terms (None
+        when not `need_terms`).
         """
         batch, heads, length, _ = v_q.shape
         s = self.low_rank
         keep = None if valid is None else valid[:, None, :, None]
-        y, s2 = _PrimalHeads.apply(v_q, v_k, w_e, w_r, self.head_map.weight, self.head_map.bias, floor, keep)
+        weight, bias = self.head_map.weight, self.head_map.bias
+        graph = torch.is_grad_enabled() and any(
+            t.requires_grad for t in (v_q, v_k, w_e, w_r, weight, bias, self.Lambda)
+        )
+        if graph:
+            if self.Lambda.requires_grad:
+                # Lambda enters only the KSVD loss. A zero-weight tie on the (d,) bias makes it reachable from the
+                # layer output, which DDP with find_unused_parameters=True (Trainer's default) needs; tying the
+                # terms to the (B, N, C) output instead cost a full-size add and its reduction in backward.
+                bias = bias + (self.Lambda.sum() * 0.0).to(bias.dtype)
+            y, s2 = _PrimalHeads.apply(v_q, v_k, w_e, w_r, weight, bias, floor, keep)
+        else:  # no graph to build (inference, evaluation, decoding): no autograd node, no liveness masks
+            y, s2, _ = _heads_forward(v_q, v_k, w_e, w_r, weight, bias, floor, keep, with_s2=need_terms)
+            y = y.transpose(1, 2)
+        if not need_terms:
+            return y, None
         wide = torch.promote_types(self.Lambda.dtype, torch.float32)  # fp32, or fp64 for a float64 module
         lam2 = self.Lambda.to(wide).square()[None]  # (1, H, s)
         e_sum = 0.5 * (s2[..., :s] * lam2).sum(dim=(1, 2))
@@ -518,6 +549,39 @@ class PrimalCore(nn.Module):
         trace = (self.We.to(wide) * self.Wr.to(wide)).sum(dim=(1, 2)).mean()
         return y, KSVDTerms(e_sum, r_sum, count, trace)
 
+    def _decode_step(
+        self, q: torch.Tensor, k: torch.Tensor, valid: Optional[torch.Tensor], state: CausalState
+    ) -> tuple[torch.Tensor, CausalState]:
+        """`causal_forward` for one new token continuing `state`, without autograd and without KSVD terms.
+
+        The general path builds (B, H, L, d) prefix sums, per-token counts, clones and the scores buffer for a
+        single token; here the new state is the old one plus this token's q / k, and y is two small GEMMs and the
+        head map on (B, H, 1, .) tensors. Same math: S / max(||S||, eps * c) = normalize(S / c), computed in the
+        state's fp32 (or wider), which also keeps half-precision models from overflowing.
+        """
+        wide = state.sum_q.dtype
+        q1, k1 = q[:, :, 0].to(wide), k[:, :, 0].to(wide)  # (B, H, d)
+        if valid is None:
+            count = state.count + 1.0
+            keep = None
+        else:
+            keep = valid[:, 0]
+            drop = ~keep[:, None, None]
+            q1, k1 = q1.masked_fill(drop, 0.0), k1.masked_fill(drop, 0.0)
+            count = state.count + keep.to(state.count.dtype)
+        sum_q, sum_k = state.sum_q + q1, state.sum_k + k1
+        floor = (count.clamp(min=1.0) * NORM_EPS).to(wide)[:, None, None, None]  # (B, 1, 1, 1)
+        scores = []
+        for total, w in ((sum_q, self.We), (sum_k, self.Wr)):
+            rows = total[:, :, None, :]  # (B, H, 1, d)
+            norm = torch.linalg.vector_norm(rows, dim=-1, keepdim=True)
+            scores.append(torch.matmul(rows, w.to(wide)) / torch.maximum(norm, floor))  # (B, H, 1, s)
+        dtype = q.dtype
+        y = F.linear(torch.cat(scores, dim=-1).to(dtype), self.head_map.weight.to(dtype), self.head_map.bias.to(dtype))
+        if keep is not None:  # padded tokens output exactly zero, as in the full forward
+            y = y.masked_fill(~keep[:, None, None, None], 0.0)
+        return y, CausalState(sum_q, sum_k, count)
+
     def forward(
         self,
         q: torch.Tensor,
@@ -527,8 +591,9 @@ class PrimalCore(nn.Module):
         state: Optional[CausalState] = None,
         segments: Optional[torch.Tensor] = None,
         history: int = 0,
-    ) -> tuple[torch.Tensor, KSVDTerms, Optional[CausalState]]:
-        """Dispatch to `noncausal` or `causal_forward`; returns (y, terms, new_state or None).
+    ) -> tuple[torch.Tensor, Optional[KSVDTerms], Optional[CausalState]]:
+        """Dispatch to `noncausal` or `causal_forward`; returns (y, terms, new_state or None); terms are None for a
+        decoding step (see `causal_forward`).
 
         `segments` ((B, N) ids, or None) marks sequences packed in one row, which must not see each other.
         `history` (causal only): see `causal_forward`.
@@ -583,7 +648,7 @@ class PrimalCore(nn.Module):
         state: Optional[CausalState] = None,
         segments: Optional[torch.Tensor] = None,
         history: int = 0,
-    ) -> tuple[torch.Tensor, KSVDTerms, CausalState]:
+    ) -> tuple[torch.Tensor, Optional[KSVDTerms], CausalState]:
         """docs/method.md, "Causal layer", continuing from `state` when given (incremental decoding).
 
         Args:
@@ -596,13 +661,21 @@ class PrimalCore(nn.Module):
                 tokens along a token axis (sums (B, H, n, d), count (B, n)), oldest first; the state after all L
                 tokens is the last entry. Caches keep these to roll back (crop) tokens exactly.
         Returns:
-            y (B, H, L, d) (a view of a (B, L, H, d) tensor), the KSVD terms over the new valid tokens, and
-            the state after the L tokens (of the last packed sequence).
+            y (B, H, L, d) (a view of a (B, L, H, d) tensor), the KSVD terms over the new valid tokens (None when
+            decoding: continuing `state` with autograd off), and the state after the L tokens (of the last packed
+            sequence).
         """
         batch, heads, length, dim = q.shape
         dtype = q.dtype
         if segments is not None and state is not None:
             raise ValueError("packed segments start new sequences: they cannot continue a cached state")
+        # Decoding: continuing a cached state with autograd off. Generation never reads the KSVD terms, so they are
+        # skipped (terms None). A fresh sequence (state None: training, evaluation under no_grad with a cache that
+        # transformers creates, or a prefill) always gets them, so the loss and PrimalTrainer's eval see them.
+        decoding = state is not None and not torch.is_grad_enabled()
+        if decoding and length == 1 and history == 0:
+            y, new_state = self._decode_step(q, k, valid, state)
+            return y, None, new_state
         if valid is not None:
             drop = ~valid[:, None, :, None]
             q, k = q.masked_fill(drop, 0.0), k.masked_fill(drop, 0.0)
@@ -635,7 +708,10 @@ class PrimalCore(nn.Module):
             sum_q, sum_k, floor = sum_q / denom, sum_k / denom, NORM_EPS
         else:  # normalize(S / c) == S / max(||S||, eps * c) for c > 0: the means are never formed
             floor = denom * NORM_EPS
-        y, terms = self._finish(sum_q.to(dtype), sum_k.to(dtype), self.We.to(dtype), self.Wr.to(dtype), floor, valid)
+        y, terms = self._finish(
+            sum_q.to(dtype), sum_k.to(dtype), self.We.to(dtype), self.Wr.to(dtype), floor, valid,
+            need_terms=not decoding,
+        )
         return y, terms, new_state
 
     def _noncausal_packed(

@@ -133,3 +133,95 @@ def test_causal_half_precision_long_prefix_stays_finite():
     wide = copy.deepcopy(core).double()
     y64, _, _ = wide.causal_forward(q.double(), k.double(), None)
     assert (y.double() - y64).abs().max() < 2e-2
+
+
+# ------------------------------------------------------------------ no-graph paths (inference, decoding)
+@pytest.mark.parametrize("case", ["no-mask-index-select", "right-padding", "batch-over-loop-limit"])
+def test_noncausal_without_autograd_matches_reference_and_graph_path(case):
+    # Under no_grad the layer skips the autograd function (no liveness masks, nothing saved): same y and terms.
+    batch, length, samples, mask, head_major = CASES[case]
+    core = _core(False, samples)
+    q, k = _qk(batch, length, head_major)
+    x = torch.randn(batch, length, H * D, dtype=torch.float64)
+    valid = None if mask is None else _mask(batch, length, mask)
+    y_graph, terms_graph = core.noncausal(q, k, x, valid)
+    assert y_graph.requires_grad
+    with torch.no_grad():
+        y, terms = core.noncausal(q, k, x, valid)
+    full = torch.ones(batch, length, dtype=torch.bool) if valid is None else valid
+    y_ref, _, _ = reference_noncausal(x, q, k, full, core.We, core.Wr, core.head_map.weight, core.head_map.bias)
+    assert not y.requires_grad and y.transpose(1, 2).is_contiguous()
+    assert (y - y_ref).abs().max() < 1e-10
+    assert torch.all(y.transpose(1, 2)[~full] == 0)
+    for a, b in zip(terms, terms_graph):
+        assert torch.allclose(a, b.detach(), rtol=1e-12, atol=1e-12)
+
+
+def _decode_inputs(mask, dtype=torch.float64):
+    core = _core(True, 0, dtype)
+    q, k = _qk(2, 8, dtype=dtype)
+    valid = None if mask is None else _mask(2, 8, "left")
+    return core, q, k, valid
+
+
+@pytest.mark.parametrize("mask", [None, "left"])
+def test_decode_step_matches_full_forward_and_skips_terms(mask):
+    # Token by token from a cached state under no_grad (the decode fast path: no KSVD terms) equals the full
+    # forward over the whole sequence and the reference, including a padded (dropped) token fed as a decode step.
+    core, q, k, valid = _decode_inputs(mask)
+    full = torch.ones(2, 8, dtype=torch.bool) if valid is None else valid
+    y_full, _, state_full = core.causal_forward(q, k, valid)
+    y_ref, _, _ = reference_causal(q, k, full, core.We, core.Wr, core.head_map.weight, core.head_map.bias)
+    with torch.no_grad():
+        _, terms, state = core.causal_forward(q[:, :, :1], k[:, :, :1], None if valid is None else valid[:, :1])
+        assert terms is not None  # a fresh sequence (no state yet) keeps its terms, e.g. eval with a cache
+        steps = []
+        for i in range(1, 8):
+            y, terms, state = core.causal_forward(
+                q[:, :, i : i + 1], k[:, :, i : i + 1], None if valid is None else valid[:, i : i + 1], state
+            )
+            assert terms is None and y.shape == (2, H, 1, D)
+            steps.append(y)
+    y_steps = torch.cat(steps, dim=2)
+    assert (y_steps - y_full[:, :, 1:]).abs().max() < 1e-10
+    assert (y_steps - y_ref[:, :, 1:]).abs().max() < 1e-10
+    assert torch.all(y_steps.transpose(1, 2)[~full[:, 1:]] == 0)
+    for a, b in zip(state, state_full):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_continuing_a_state_with_autograd_keeps_terms_and_gradients():
+    # With grad on, continuing a state is not decoding: the general path runs, with terms and a backward.
+    core, q, k, valid = _decode_inputs("left")
+    _, _, mid = core.causal_forward(q[:, :, :5], k[:, :, :5], valid[:, :5])
+    q2, k2 = q[:, :, 5:6].clone().requires_grad_(), k[:, :, 5:6].clone().requires_grad_()
+    y, terms, _ = core.causal_forward(q2, k2, valid[:, 5:6], mid)
+    assert terms is not None
+    (y.square().sum() + ksvd_objective(terms).sum()).backward()
+    assert q2.grad.abs().sum() > 0 and core.Lambda.grad.abs().sum() > 0
+    with torch.no_grad():
+        y_fast, _, _ = core.causal_forward(q[:, :, 5:6], k[:, :, 5:6], valid[:, 5:6], mid)
+    assert (y_fast - y.detach()).abs().max() < 1e-12
+
+
+def test_decode_step_half_precision_matches_float64():
+    core, q, k, _ = _decode_inputs(None, torch.float16)
+    with torch.no_grad():
+        _, _, state = core.causal_forward(q[:, :, :7], k[:, :, :7], None)
+        y, terms, _ = core.causal_forward(q[:, :, 7:], k[:, :, 7:], None, state)
+        y64, _, _ = copy.deepcopy(core).double().causal_forward(q.double(), k.double(), None)
+    assert terms is None and y.dtype == torch.float16
+    assert (y.double() - y64[:, :, 7:]).abs().max() < 1e-2
+
+
+def test_lambda_reaches_the_output_through_a_zero_tie():
+    # DDP with find_unused_parameters needs Lambda on the output's graph; the tie must add exactly zero.
+    core = _core(False, 4)
+    q, k = _qk(2, 6)
+    x = torch.randn(2, 6, H * D, dtype=torch.float64)
+    y, _ = core.noncausal(q, k, x, None)
+    y.sum().backward()
+    assert core.Lambda.grad is not None and torch.all(core.Lambda.grad == 0)
+    with torch.no_grad():
+        y_plain, _ = core.noncausal(q, k, x, None)
+    assert torch.equal(y.detach(), y_plain)
