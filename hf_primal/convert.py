@@ -24,7 +24,8 @@ from tqdm.auto import tqdm
 from .config import PrimalAttentionConfig
 from .distill import distill, frozen_copy
 from .hub import enable_remote_code
-from .modeling_primal import apply_primal_attention, find_adapter, init_primal_core, valid_tokens
+from .layers import valid_tokens
+from .models import apply_primal_attention, find_architecture
 
 
 def _batches(data: Any, batch_size: int) -> Iterable[Mapping[str, torch.Tensor]]:
@@ -102,10 +103,6 @@ def _blocks(base: nn.Module, layer_list) -> list[nn.Module]:
     return blocks
 
 
-def _qk_modules(module: nn.Module) -> list[nn.Module]:
-    return [getattr(module, n) for n in ("query", "key", "q_proj", "k_proj", "c_attn") if hasattr(module, n)]
-
-
 METHODS = ("transfer", "distill")
 # Below this relative improvement of the held-out error, a report says the adaptation achieved nothing meaningful.
 MEANINGFUL_IMPROVEMENT = 0.02
@@ -168,7 +165,7 @@ def convert(
     ``"verdict"`` says so (and a warning is issued) with what to try next.
     """
     spec = PrimalAttentionConfig.coerce(config if config is not None else PrimalAttentionConfig())
-    adapter = find_adapter(model)
+    architecture = find_architecture(model)
     if getattr(model.config, "primal_attention", None) is not None:
         raise ValueError(
             f"convert: {type(model).__name__} already has primal_attention={model.config.primal_attention}; "
@@ -183,11 +180,11 @@ def convert(
     if (steps is not None and steps < 0) or not learning_rate > 0:
         raise ValueError(f"convert: steps={steps} must be >= 0 and learning_rate={learning_rate} > 0.")
     base = getattr(model, model.base_model_prefix, model)
-    layer_list = adapter.list_layers(base)
+    layer_list = architecture.list_layers(base)
     selected = spec.resolve_layers(len(layer_list))
     prefix = f"{model.base_model_prefix}." if base is not model else ""
 
-    causal = adapter.causal(model.config)
+    causal = architecture.causal(model.config)
     blocks = _blocks(base, layer_list)
     fitted = {i: (blocks[i] if target == "layer" else layer_list[i][1]) for i in selected}
     records: dict[int, dict] = {}
@@ -202,12 +199,12 @@ def convert(
     model.config.primal_attention = spec.to_dict()
     ignore = apply_primal_attention(model)
     model._keys_to_ignore_on_load_unexpected = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()) | set(ignore)
+    # PrimalCore initialised W_e, W_r and Lambda when it was built (docs/method.md, "Initialisation"); its head map
+    # gets the model's own Linear initialisation, as the load-time hook `_init_weights` would give it.
     std = getattr(model.config, "initializer_range", 0.02)
     for index in selected:
         core = layer_list[index][1].primal
         with torch.no_grad():
-            core.reset_parameters()
-            init_primal_core(core)
             core.head_map.weight.normal_(0.0, std)
             core.head_map.bias.zero_()
 
@@ -241,7 +238,8 @@ def convert(
         )
         for index in selected:
             name = prefix + layer_list[index][0]
-            before, after = _fit_layer(fitted[index], records[index], steps, learning_rate, train_qk, progress, name)
+            before, after = _fit_layer(fitted[index], records[index], steps, learning_rate,
+                                       architecture.qk_names if train_qk else (), progress, name)
             report["layers"].append({"layer": name, "error_before": before, "error_after": after})
             if progress:
                 print(f"[hf_primal] {name}: relative output error {before:.4f} -> {after:.4f}")
@@ -326,7 +324,7 @@ def _call(module, call) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-def _fit_layer(module, record, steps, learning_rate, train_qk, progress, name) -> tuple[float, float]:
+def _fit_layer(module, record, steps, learning_rate, qk_names, progress, name) -> tuple[float, float]:
     """Fit one primal layer to its teacher's outputs; returns the relative error before and after.
 
     Every fifth recorded batch, counting from the last, is held out (when there are at least two): the errors are measured on it and the
@@ -335,8 +333,7 @@ def _fit_layer(module, record, steps, learning_rate, train_qk, progress, name) -
     attention = next(m for m in module.modules() if getattr(m, "_is_primal_attention", False))
     if attention is module:
         params = list(module.primal.parameters())
-        if train_qk:
-            params += [p for m in _qk_modules(module) for p in m.parameters()]
+        params += [p for name in qk_names for p in getattr(module, name).parameters()]
     else:  # a whole transformer block: everything in it adapts to the new attention
         params = [p for p in module.parameters() if p.dtype.is_floating_point]
     states = {p: p.requires_grad for p in module.parameters()}

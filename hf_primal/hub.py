@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import json
 import os
+import re
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 from torch import nn
 from transformers import AutoConfig
 from transformers.models.auto import modeling_auto
 
-from .modeling_primal import HUB_CONFIGS, HUB_MODELS, find_adapter, model_card
+from .model_card import model_card
+from .models import ARCHITECTURES, BY_NAME, SOURCE_FILES, find_architecture, shareable_class
+
+# The flat modules a shared folder needs besides its architecture's module; they import only torch, transformers
+# and each other (`from .x import`), which is what transformers' remote-code loader resolves.
+REMOTE_CODE_FILES = ("config.py", "primal.py", "cache.py", "layers.py", "conversion.py", "shareable.py", "model_card.py")
+_PACKAGE_DIR = Path(__file__).resolve().parent
 
 # Auto classes whose mapping names a stock BERT / ViT / GPT-2 class; the primal subclass is registered beside it.
 _AUTO_MAPPINGS = {
@@ -44,22 +52,47 @@ def _mapped_names(auto_name: str, arch: str) -> tuple[str, ...]:
 def hub_heads(arch: str) -> dict[str, type]:
     """Auto class name -> shareable primal class, for every Auto head transformers has for `arch` ("bert", ...).
 
-    Derived from transformers' own Auto tables and `HUB_MODELS`, so a head transformers maps is never missed.
+    Derived from transformers' own Auto tables and the architecture's shareable classes, so a head transformers
+    maps is never missed.
     """
-    config_class = HUB_CONFIGS[arch]
     heads = {}
     for auto_name in _AUTO_MAPPINGS:
         names = _mapped_names(auto_name, arch)
-        for stock, primal in HUB_MODELS.items():
-            if primal.config_class is config_class and stock.__name__ in names:
+        for stock, primal in BY_NAME[arch].shareable_models.items():
+            if stock.__name__ in names:
                 heads[auto_name] = primal
     return heads
 
 
+def remote_module(arch: str) -> str:
+    """Name of the module holding `arch`'s shareable classes in a saved folder (``modeling_primal_<arch>``)."""
+    return f"modeling_primal_{arch}"
+
+
 def hub_auto_map(arch: str) -> dict[str, str]:
     """The ``auto_map`` of a shareable `arch` folder: AutoConfig plus every Auto head, pointing at the remote code."""
-    classes = {"AutoConfig": HUB_CONFIGS[arch], **hub_heads(arch)}
-    return {auto: f"{cls.__module__.rsplit('.', 1)[-1]}.{cls.__name__}" for auto, cls in classes.items()}
+    classes = {"AutoConfig": BY_NAME[arch].shareable_config, **hub_heads(arch)}
+    return {auto: f"{remote_module(arch)}.{cls.__name__}" for auto, cls in classes.items()}
+
+
+def write_remote_code(save_directory: str | os.PathLike, arch: str) -> list[str]:
+    """Copy the modeling code of `arch` into `save_directory`, flat, so the folder loads with trust_remote_code.
+
+    transformers' remote-code loader imports ``<module>.<Class>`` from the folder and follows only ``from .x import``
+    lines between files of the same folder, so the architecture's module (hf_primal/models/<arch>.py, which imports
+    the shared modules with ``from ..x import``) is written as ``modeling_primal_<arch>.py`` importing them with
+    ``from .x import``, next to copies of `REMOTE_CODE_FILES`. Returns the file names written.
+    """
+    folder = Path(save_directory)
+    written = []
+    for name in REMOTE_CODE_FILES:
+        (folder / name).write_text((_PACKAGE_DIR / name).read_text(encoding="utf-8"), encoding="utf-8")
+        written.append(name)
+    source = Path(SOURCE_FILES[arch]).read_text(encoding="utf-8")
+    entry = f"{remote_module(arch)}.py"
+    (folder / entry).write_text(re.sub(r"^from \.\.(\w+) import", r"from .\1 import", source, flags=re.MULTILINE),
+                                encoding="utf-8")
+    return written + [entry]
 
 
 def auto_class_name(stock_class: type) -> Optional[str]:
@@ -76,14 +109,11 @@ def register_auto_classes() -> None:
     """Let the Auto classes resolve the "primal_*" model types to this package's classes (no remote code needed)."""
     import transformers
 
-    for arch, config_class in HUB_CONFIGS.items():
+    for architecture in ARCHITECTURES:
+        config_class = architecture.shareable_config
         AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
-        for auto_name, primal in hub_heads(arch).items():
+        for auto_name, primal in hub_heads(architecture.name).items():
             getattr(transformers, auto_name).register(config_class, primal, exist_ok=True)
-
-
-def _stock_ancestor(model_class: type) -> Optional[type]:
-    return next((c for c in model_class.__mro__ if c in HUB_MODELS), None)
 
 
 def enable_remote_code(model: nn.Module) -> nn.Module:
@@ -94,22 +124,20 @@ def enable_remote_code(model: nn.Module) -> nn.Module:
     loads with ``AutoModel*.from_pretrained(folder, trust_remote_code=True)`` where hf_primal is not installed.
     (Plain ``save_pretrained`` of any primal model writes the same folder; see `save_shareable`.)
     """
-    adapter = find_adapter(model)
+    architecture = find_architecture(model)
     if getattr(model.config, "primal_attention", None) is None:
         raise ValueError(f"enable_remote_code: {type(model).__name__} has no primal attention layers to share.")
-    stock = _stock_ancestor(type(model))
-    if stock is None:
+    primal = shareable_class(type(model))
+    if primal is None:
         raise ValueError(
             f"enable_remote_code: no shareable primal class for {type(model).__name__}; supported: "
-            + ", ".join(sorted(c.__name__ for c in HUB_MODELS))
+            + ", ".join(sorted(c.__name__ for c in architecture.shareable_models))
         )
-    primal = HUB_MODELS[stock]
-    config_class = HUB_CONFIGS[adapter.name]
+    # No register_for_auto_class: transformers would copy the class's own module, which imports its siblings from
+    # the parent package; `save_shareable` writes the flattened remote code instead.
     model.__class__ = primal
-    model.config.__class__ = config_class
-    primal.register_for_auto_class(auto_class_name(stock) or "AutoModel")
-    config_class.register_for_auto_class("AutoConfig")
-    model.config.auto_map = hub_auto_map(adapter.name)
+    model.config.__class__ = architecture.shareable_config
+    model.config.auto_map = hub_auto_map(architecture.name)
     return model
 
 
@@ -130,25 +158,22 @@ def save_shareable(model: nn.Module, save: Callable[..., Any], save_directory: s
     The model itself is left as it was (its class, config class and ``auto_map`` are restored afterwards), so
     saving a checkpoint in the middle of training changes nothing about the run.
     """
-    adapter = find_adapter(model)
+    architecture = find_architecture(model)
     config = model.config
-    hub_config = HUB_CONFIGS[adapter.name]
-    # The config class carries the remote code: its save_pretrained copies modeling_primal.py and the flat
-    # modules it imports next to config.json.
-    hub_config.register_for_auto_class("AutoConfig")
     saved_class, saved_map = type(config), config.__dict__.get("auto_map", _UNSET)
-    is_hub_class = type(model) in HUB_MODELS.values()
-    config.__class__ = hub_config
-    config.auto_map = hub_auto_map(adapter.name)
+    primal = shareable_class(type(model))
+    config.__class__ = architecture.shareable_config
+    config.auto_map = hub_auto_map(architecture.name)
     try:
         result = save(model, save_directory, *args, **kwargs)
-        if not is_hub_class and _is_main_process(args, kwargs):
+        if _is_main_process(args, kwargs):
+            write_remote_code(save_directory, architecture.name)
+        if type(model) is not primal and _is_main_process(args, kwargs):
             # Name the primal class in `architectures`: pipelines fall back to the transformers class named there
             # when the Auto class refuses to run remote code, which would build a broken softmax model.
-            stock = _stock_ancestor(type(model))
             architectures = config.architectures
-            if stock is not None:
-                config.architectures = [HUB_MODELS[stock].__name__]
+            if primal is not None:
+                config.architectures = [primal.__name__]
             try:
                 config.save_pretrained(save_directory)
                 with open(os.path.join(save_directory, "README.md"), "w", encoding="utf-8") as handle:

@@ -6,11 +6,7 @@ from typing import Any
 
 from torch import nn
 
-from .modeling_primal import find_adapter
-
-# Linear layers that feed q and k, per architecture. GPT-2 fuses q/k/v in one Conv1D; the primal forward calls
-# it whole when it is wrapped, so LoRA on it takes part.
-QK_TARGETS = {"bert": ["query", "key"], "vit": ["q_proj", "k_proj"], "gpt2": ["c_attn"]}
+from .models import find_architecture
 
 
 def lora_config(model: nn.Module, r: int = 8, lora_alpha: int = 16, lora_dropout: float = 0.0, **kwargs: Any):
@@ -26,7 +22,7 @@ def lora_config(model: nn.Module, r: int = 8, lora_alpha: int = 16, lora_dropout
     """
     from peft import LoraConfig
 
-    adapter = find_adapter(model)
+    architecture = find_architecture(model)
     if not any(getattr(m, "_is_primal_attention", False) for m in model.modules()):
         raise ValueError(
             f"lora_config: {type(model).__name__} has no primal attention layer; build it with primal_attention=... first."
@@ -34,9 +30,11 @@ def lora_config(model: nn.Module, r: int = 8, lora_alpha: int = 16, lora_dropout
     modules_to_save = list(kwargs.pop("modules_to_save", None) or [])
     if "primal" not in modules_to_save:
         modules_to_save.append("primal")
-    target_modules = kwargs.pop("target_modules", QK_TARGETS[adapter.name])
-    if adapter.name == "gpt2":
-        kwargs.setdefault("fan_in_fan_out", True)  # GPT-2 stores Conv1D weights transposed
+    # The modules that feed q and k (`Architecture.qk_names`). GPT-2 fuses q/k/v in one Conv1D; the primal forward
+    # calls it whole when it is wrapped, so LoRA on it takes part.
+    target_modules = kwargs.pop("target_modules", list(architecture.qk_names))
+    if architecture.lora_fan_in_fan_out:
+        kwargs.setdefault("fan_in_fan_out", True)
     return LoraConfig(
         r=r,
         lora_alpha=lora_alpha,

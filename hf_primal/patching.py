@@ -30,13 +30,9 @@ from . import compat
 
 from .config import PrimalAttentionConfig
 from .hub import save_shareable
-from .modeling_primal import (
-    PrimalModelMixin,
-    apply_primal_attention,
-    drop_value_renamings,
-    init_primal_core,
-    prepare_primal_cache,
-)
+from .conversion import init_primal_core, prepare_primal_cache
+from .models import apply_primal_attention, drop_value_renamings
+from .shareable import PrimalModelMixin
 
 _INSTALLED = False
 

@@ -15,20 +15,21 @@ import textwrap
 import pytest
 import torch
 from transformers import (
+    AlbertConfig,
+    AlbertModel,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
     AutoTokenizer,
     BertForSequenceClassification,
     BertModel,
     GPT2Model,
-    RobertaConfig,
-    RobertaModel,
     ViTImageProcessor,
     ViTModel,
 )
 
 import hf_primal
 from hf_primal.cli import build_parser, check_source, CLIError, main
+from hf_primal.hub import REMOTE_CODE_FILES
 from tests.conftest import bert_config, gpt2_config, vit_config
 
 BLOCK_PLUGIN = "import sys; sys.modules['hf_primal'] = None  # `import hf_primal` fails here\n"
@@ -89,7 +90,7 @@ def test_base_conversion_loads_with_every_head_without_plugin(tmp_path, arch):
     hf_primal.save_converted(model, tmp_path / "out", processor=_minilm_tokenizer() if arch == "bert" else None)
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert set(config["auto_map"]) == EXPECTED_AUTO_MAP[arch]
-    assert all(v.startswith("modeling_primal.Primal") for v in config["auto_map"].values())
+    assert all(v.startswith(f"modeling_primal_{arch}.Primal") for v in config["auto_map"].values())
     torch.save(batch, tmp_path / "batch.pt")
 
     result = run_child(f"""
@@ -122,7 +123,7 @@ def test_base_conversion_loads_with_every_head_without_plugin(tmp_path, arch):
     # With the plugin the same heads resolve to hf_primal's classes, no remote code.
     if arch == "bert":
         local = AutoModelForTokenClassification.from_pretrained(tmp_path / "out").eval()
-        assert type(local).__module__ == "hf_primal.modeling_primal" and len(hf_primal.primal_layers(local)) == 2
+        assert type(local).__module__ == "hf_primal.models.bert" and len(hf_primal.primal_layers(local)) == 2
         with torch.no_grad():
             assert torch.equal(local.base_model(**batch).last_hidden_state, hidden)
 
@@ -200,7 +201,7 @@ def test_plain_save_pretrained_writes_the_shareable_form(tmp_path):
     saved = json.loads((tmp_path / "primal" / "config.json").read_text())
     assert saved["model_type"] == "primal_bert" and saved["architectures"] == ["PrimalBertForSequenceClassification"]
     assert set(saved["auto_map"]) == EXPECTED_AUTO_MAP["bert"]
-    assert {"modeling_primal.py", "primal.py", "cache.py", "config.py", "README.md"} <= set(os.listdir(tmp_path / "primal"))
+    assert {"modeling_primal_bert.py", *REMOTE_CODE_FILES, "README.md"} <= set(os.listdir(tmp_path / "primal"))
     assert "AutoModelForSequenceClassification.from_pretrained" in (tmp_path / "primal" / "README.md").read_text()
 
     # With hf_primal: bit-identical through the stock class and the Auto class, and no model-type warning.
@@ -245,7 +246,7 @@ def test_push_to_hub_of_a_stock_class_primal_model_uploads_the_shareable_folder(
     fake = _intercept(monkeypatch, tmp_path)
     BertForSequenceClassification(bert_config(primal_attention={"layers": [-1], "low_rank": 4})).push_to_hub("me/primal")
     [(repo_id, files, folder)] = fake.commits
-    assert repo_id == "me/primal" and {"config.json", "model.safetensors", "modeling_primal.py", "README.md"} <= set(files)
+    assert repo_id == "me/primal" and {"config.json", "model.safetensors", "modeling_primal_bert.py", "README.md"} <= set(files)
     assert json.loads(open(os.path.join(folder, "config.json")).read())["model_type"] == "primal_bert"
     assert "trust_remote_code=True" in open(os.path.join(folder, "README.md")).read()  # hf_primal's card, not a generic one
 
@@ -254,7 +255,7 @@ def test_stock_models_still_save_stock(tmp_path):
     BertModel(bert_config()).save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["model_type"] == "bert" and "auto_map" not in saved
-    assert not (tmp_path / "modeling_primal.py").exists()
+    assert not [name for name in os.listdir(tmp_path) if name.endswith(".py")]
 
 
 # ---------------------------------------------------------------------------------------------- CLI
@@ -276,7 +277,7 @@ def test_help_imports_neither_torch_nor_transformers(tmp_path, args):
     result = _cli(args, tmp_path, importtime=True)
     assert result.returncode == 0 and "usage: hf-primal" in result.stdout, result.stderr[-2000:]
     modules = _imported(result.stderr)
-    assert "argparse" in modules and not modules & {"torch", "transformers", "hf_primal.modeling_primal"}
+    assert "argparse" in modules and not modules & {"torch", "transformers", "hf_primal.models", "hf_primal.layers"}
 
 
 def test_console_script_help_is_light(tmp_path):
@@ -350,8 +351,9 @@ def test_layers_without_primal_layers_fails(tmp_path, capsys):
 
 
 def test_unexpected_error_is_one_line_and_debug_shows_traceback(tmp_path, capsys):
-    RobertaModel(RobertaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
-                               vocab_size=50)).save_pretrained(tmp_path / "roberta")
+    # ALBERT: an architecture hf_primal does not support
+    AlbertModel(AlbertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+                             embedding_size=16, vocab_size=50)).save_pretrained(tmp_path / "roberta")
     capsys.readouterr()
     assert main(["convert", str(tmp_path / "roberta"), str(tmp_path / "out"), "--low-rank", "4"]) == 1
     err = capsys.readouterr().err

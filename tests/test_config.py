@@ -5,9 +5,10 @@ import re
 
 import pytest
 import torch
-from transformers import AutoModel, BertModel, RobertaConfig, RobertaModel
+from transformers import AlbertConfig, AlbertModel, AutoModel, BertModel
 
 from hf_primal import PrimalAttentionConfig, primal_layers
+from hf_primal.models import ARCHITECTURES
 from tests.conftest import bert_config, gpt2_config, vit_config
 
 
@@ -104,21 +105,23 @@ def test_hidden_size_not_heads_times_head_dim():
     _raises(r"hidden_size == num_heads \* head_dim.*hidden_size=32, num_heads=4, head_dim=6", lambda: ViTModel(config))
 
 
+def _albert_config(**kw):  # ALBERT: an architecture hf_primal does not support
+    return AlbertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+                        embedding_size=16, vocab_size=50, **kw)
+
+
 def test_unsupported_architecture_is_named():
-    config = RobertaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
-                           vocab_size=50, primal_attention={"layers": [-1]})
     with pytest.raises(ValueError) as err:
-        RobertaModel(config)
+        AlbertModel(_albert_config(primal_attention={"layers": [-1]}))
     message = str(err.value)
-    assert "RobertaModel" in message and "'roberta'" in message
-    for supported in ("bert", "vit", "gpt2"):
-        assert supported in message
+    assert "AlbertModel" in message and "'albert'" in message
+    for supported in ARCHITECTURES:
+        assert supported.name in message
 
 
 def test_unsupported_architecture_via_from_pretrained(tmp_path):
-    RobertaModel(RobertaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
-                               vocab_size=50)).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="does not support RobertaModel"):
+    AlbertModel(_albert_config()).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="does not support AlbertModel"):
         AutoModel.from_pretrained(tmp_path, primal_attention={"layers": [-1]})
 
 

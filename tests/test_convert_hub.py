@@ -24,6 +24,7 @@ from transformers import (
 
 import hf_primal
 from hf_primal import convert, primal_layers
+from hf_primal.hub import REMOTE_CODE_FILES
 from tests.conftest import bert_config, gpt2_config, vit_config
 
 AUTO = {"bert": AutoModelForSequenceClassification, "vit": AutoModelForImageClassification, "gpt2": AutoModelForCausalLM}
@@ -226,10 +227,10 @@ def test_converted_folder_loads_without_hf_primal(tmp_path, arch):
         logits = model(**batch).logits
     hf_primal.save_converted(model, tmp_path / "out")
     files = set(os.listdir(tmp_path / "out"))
-    assert {"config.json", "model.safetensors", "modeling_primal.py", "primal.py", "cache.py", "config.py", "README.md"} <= files
+    assert {"config.json", "model.safetensors", f"modeling_primal_{arch}.py", *REMOTE_CODE_FILES, "README.md"} <= files
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["model_type"] == f"primal_{arch}" and config["primal_attention"]["low_rank"] == 4
-    assert config["auto_map"]["AutoConfig"].startswith("modeling_primal.") and AUTO[arch].__name__ in config["auto_map"]
+    assert config["auto_map"]["AutoConfig"].startswith(f"modeling_primal_{arch}.") and AUTO[arch].__name__ in config["auto_map"]
     torch.save(batch, tmp_path / "batch.pt")
     result = _fresh(
         f"""
@@ -294,7 +295,7 @@ def _intercept(monkeypatch, tmp_path):
 
 def _check_uploaded(folder, tmp_path, expect_tokenizer):
     files = set(os.listdir(folder))
-    needed = {"config.json", "model.safetensors", "modeling_primal.py", "primal.py", "cache.py", "config.py", "README.md"}
+    needed = {"config.json", "model.safetensors", "modeling_primal_bert.py", *REMOTE_CODE_FILES, "README.md"}
     if expect_tokenizer:
         needed |= {"tokenizer.json", "tokenizer_config.json"}
     assert needed <= files, needed - files

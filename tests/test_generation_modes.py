@@ -225,7 +225,7 @@ def test_prompt_lookup_decoding_matches_greedy_search(layers, crops):
 # ---------------------------------------------------------------------------------------------- crop itself
 def _prefill(model, ids, window_recording=True):
     cache = DynamicCache(config=model.config)
-    from hf_primal.modeling_primal import prepare_primal_cache
+    from hf_primal.conversion import prepare_primal_cache
 
     prepare_primal_cache(model, {"cache": cache})
     if window_recording:

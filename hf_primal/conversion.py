@@ -1,0 +1,175 @@
+"""Making attention layers primal, in place: what an architecture module declares and the converter that reads it.
+
+Each file in hf_primal/models/ describes one transformers architecture with an `Architecture` record; the
+registry (hf_primal/models/__init__.py) collects them. `convert_layers` swaps the ``__class__`` of each selected
+stock attention module to the architecture's ``Primal*`` subclass, attaches a `PrimalCore` as ``.primal`` and
+deletes the value projection. q/k and output-projection parameters keep their stock names, so ordinary
+checkpoints load into them unchanged.
+
+Imports only torch, transformers and flat hf_primal modules: copied next to shared checkpoints as remote code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from transformers import initialization as hf_init
+from transformers.cache_utils import Cache
+
+from .cache import DEFAULT_CROP_WINDOW, primal_cache_layer
+from .config import PrimalAttentionConfig
+from .primal import PrimalCore, num_sampled_tokens
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """Everything hf_primal needs to know about one transformers architecture.
+
+    Attributes:
+        name: transformers' ``model_type`` ("bert"); the shareable form is saved as ``"primal_<name>"``.
+        base_class: the architecture's ``*PreTrainedModel``; a model is of this architecture when it is an instance.
+        attention_class: the stock attention module that becomes primal.
+        primal_class: its ``Primal*`` subclass (a forward that computes q/k and calls `layers.run_primal`).
+        list_layers: base model -> [(module path relative to the base model, attention module)], one per layer.
+        head_geometry: attention module -> (number of heads, head dimension).
+        qk_names: the submodules that compute q and k (LoRA targets; fitted with ``convert(train_qk=True)``).
+        value_attr: the value projection that primal layers delete (None: kept, e.g. GPT-2's fused ``c_attn``).
+        value_checkpoint_patterns: layer index -> regexes of checkpoint keys of that dropped value projection.
+        max_tokens: config -> N_max, the longest input (p = min(N_max, s * m), docs/method.md "Non-causal layer").
+        causal: config -> whether the attention is causal (decoders: prefix means and a generation cache).
+        shareable_config: the ``Primal*Config`` subclass with model_type ``primal_<name>`` (hf_primal/shareable.py).
+        shareable_models: stock model class -> its shareable ``Primal*`` subclass, for every head.
+        lora_fan_in_fan_out: PEFT's flag for q/k modules that store their weights transposed (Conv1D).
+    """
+
+    name: str
+    base_class: type
+    attention_class: type
+    primal_class: type
+    list_layers: Callable[[nn.Module], list]
+    head_geometry: Callable[[nn.Module], tuple]
+    qk_names: tuple
+    value_attr: Optional[str]
+    value_checkpoint_patterns: Callable[[int], list]
+    max_tokens: Callable[[Any], int]
+    causal: Callable[[Any], bool]
+    shareable_config: type
+    shareable_models: dict
+    lora_fan_in_fan_out: bool = False
+
+    def __post_init__(self) -> None:
+        # The shareable classes convert in their own post_init (also as remote code, without the registry), so each
+        # needs to know its architecture.
+        for model_class in self.shareable_models.values():
+            model_class._primal_architecture = self
+
+
+def convert_layers(model: nn.Module, architecture: Architecture, primal_config: Any = None) -> list[str]:
+    """Make the layers selected by ``model.config.primal_attention`` (or `primal_config`) primal, in place.
+
+    Idempotent and duck-typed (a remote-code copy of these classes and the plugin may both run). Returns the
+    regex patterns of checkpoint keys that primal layers no longer have (value projections).
+    """
+    config = model.config
+    spec = primal_config if primal_config is not None else getattr(config, "primal_attention", None)
+    if spec is None:
+        return []
+    spec = PrimalAttentionConfig.coerce(spec)
+    inherit_weight_conversions(model)
+    base = getattr(model, model.base_model_prefix, model)
+    layers = architecture.list_layers(base)
+    selected = spec.resolve_layers(len(layers))
+    causal = architecture.causal(config)
+    hidden = config.hidden_size
+    ignore: list[str] = []
+    for index in selected:
+        _, module = layers[index]
+        ignore += architecture.value_checkpoint_patterns(index)
+        if getattr(module, "_is_primal_attention", False):
+            module._primal_crop_window = spec.crop_window
+            continue
+        if not isinstance(module, architecture.attention_class):
+            raise ValueError(
+                f"Layer {index} of {type(model).__name__} is a {type(module).__name__}, not a stock "
+                f"{architecture.attention_class.__name__}; hf_primal converts only stock attention modules."
+            )
+        heads, dim = architecture.head_geometry(module)
+        if heads * dim != hidden:
+            raise ValueError(
+                f"Primal-Attention needs hidden_size == num_heads * head_dim (it splits the layer input into heads); "
+                f"got hidden_size={hidden}, num_heads={heads}, head_dim={dim}."
+            )
+        samples = 0 if causal else num_sampled_tokens(architecture.max_tokens(config), spec.low_rank, spec.rank_multi)
+        reference = getattr(module, architecture.qk_names[0]).weight
+        core = PrimalCore(heads, dim, spec.low_rank, samples, causal)
+        module.__class__ = architecture.primal_class
+        module.primal = core.to(device=reference.device, dtype=reference.dtype)
+        module._primal_causal = causal
+        module._primal_crop_window = spec.crop_window
+        module.layer_idx = index
+        if architecture.value_attr is not None and hasattr(module, architecture.value_attr):
+            delattr(module, architecture.value_attr)
+    return ignore
+
+
+def prepare_primal_cache(model: nn.Module, model_kwargs: dict, generation_config: Any = None) -> None:
+    """Put primal cache layers into the cache `generate` just prepared, before anything runs.
+
+    Installing them up front (instead of at the first forward) lets ``cache.activate_past_recording()``, which
+    transformers calls before the prefill of assisted / prompt-lookup decoding (and right after creating an
+    assistant's cache), reach them, so they keep the per-token states that ``crop`` needs.
+    """
+    cache = model_kwargs.get("cache")
+    if cache is None or not isinstance(cache, Cache):
+        return
+    layers = [
+        m for m in model.modules()
+        if getattr(m, "_is_primal_attention", False) and getattr(m, "_primal_causal", False)
+        and getattr(m, "layer_idx", None) is not None
+    ]
+    installed = [primal_cache_layer(cache, m.layer_idx, getattr(m, "_primal_crop_window", DEFAULT_CROP_WINDOW))
+                 for m in layers]
+    if generation_config is not None and getattr(generation_config, "is_assistant", False):
+        for layer in installed:
+            layer.activate_past_recording()
+
+
+@torch.no_grad()
+def init_primal_core(core: nn.Module) -> None:
+    """docs/method.md, "Initialisation", skipping tensors a checkpoint already filled (transformers' init helpers)."""
+    hf_init.orthogonal_(core.We)
+    hf_init.orthogonal_(core.Wr)
+    hf_init.uniform_(core.Lambda, 0.0, 1.0)
+
+
+def primal_layers(model: nn.Module) -> list[str]:
+    """Module names of the attention layers of `model` that run Primal-Attention."""
+    return [name for name, module in model.named_modules() if getattr(module, "_is_primal_attention", False)]
+
+
+def inherit_weight_conversions(model: nn.Module) -> None:
+    """Give a primal model class defined outside transformers the checkpoint renaming rules of its stock base.
+
+    transformers keeps renaming rules per class name, then per model_type (``ViTModel``: checkpoint keys
+    ``encoder.layer.N.attention.attention.query`` <-> module ``layers.N.attention.q_proj``, applied on load and
+    reversed on save), and skips classes defined outside transformers unless their name was registered. The
+    shareable ``PrimalViTModel`` (model_type ``primal_vit``, also as remote code) would otherwise load its own
+    saved weights with every tensor missing.
+    """
+    try:
+        from transformers.conversion_mapping import (
+            get_checkpoint_conversion_mapping,
+            register_checkpoint_conversion_mapping,
+        )
+    except ImportError:  # pragma: no cover - transformers without per-class weight conversions
+        return
+    cls = type(model)
+    if cls.__module__.startswith("transformers.") or get_checkpoint_conversion_mapping(cls.__name__) is not None:
+        return
+    stock = next((base for base in cls.__mro__[1:] if base.__module__.startswith("transformers.")), None)
+    rules = get_checkpoint_conversion_mapping(stock.__name__) if stock is not None else None
+    if rules is not None:
+        register_checkpoint_conversion_mapping(cls.__name__, rules, overwrite=True)

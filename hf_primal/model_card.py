@@ -1,0 +1,95 @@
+"""The README.md written next to a shared primal checkpoint: what was converted, with what settings, how to load it.
+
+Imports only the flat module `config`: copied next to shared checkpoints as remote code.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+from .config import PrimalAttentionConfig
+
+
+def _card_auto_class(model: Any) -> str:
+    """The Auto class that loads `model`'s own head, read from the auto_map (which lists every head)."""
+    auto_map = getattr(model.config, "auto_map", None) or {}
+    name = (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
+    matches = [k for k, v in auto_map.items() if k != "AutoConfig" and str(v).rsplit(".", 1)[-1] == name]
+    specific = [k for k in matches if k not in ("AutoModel", "AutoModelForPreTraining", "AutoModelForTextEncoding")]
+    return (specific or matches or ["AutoModel"])[0]
+
+
+def _hub_id(name: str) -> Optional[str]:
+    """`name` if it reads as a Hub repository id and is not a local folder, else None (never show local paths)."""
+    if not name or os.path.isabs(name) or name.startswith((".", "~")) or os.path.exists(name):
+        return None
+    parts = name.split("/")
+    return name if len(parts) <= 2 and all(part and part[0].isalnum() for part in parts) else None
+
+
+def model_card(model: Any) -> str:
+    """README.md for a shared primal checkpoint: what was converted, with what settings, and how to load it."""
+    spec = PrimalAttentionConfig.coerce(model.config.primal_attention)
+    layers = [name for name, m in model.named_modules() if getattr(m, "_is_primal_attention", False)]
+    report = getattr(model, "primal_conversion_report", None) or {}
+    base = report.get("base_model") or _hub_id(getattr(model.config, "_name_or_path", "") or "")
+    auto = _card_auto_class(model)
+    lines = ["---", "library_name: transformers"]
+    if base:
+        lines.append(f"base_model: {base}")
+    lines += [
+        "tags:",
+        "- primal-attention",
+        "- hf_primal",
+        "---",
+        "",
+        f"# {type(model).__name__} (Primal-Attention)",
+        "",
+        "Self-attention in the layers below runs Primal-Attention (Chen et al., NeurIPS 2023: asymmetric kernel SVD in",
+        "the primal), converted with hf_primal.",
+        "",
+        f"- base model: `{base}`" if base else "- base model: a local checkpoint",
+        f"- primal layers ({len(layers)}): " + ", ".join(f"`{n}`" for n in layers),
+        f"- low_rank s = {spec.low_rank}, rank_multi m = {spec.rank_multi}, eta = {spec.eta}, KSVD reduction = {spec.ksvd_reduction}",
+    ]
+    if report:
+        lines += ["", "## Conversion", "", f"- method: {report.get('method', 'none')}",
+                  f"- calibration data: {report.get('calibration', 'none')}"]
+        distilled = report.get("distillation")
+        if distilled:
+            lines.append(f"- held-out distillation loss: {distilled['loss_before']:.4f} -> {distilled['loss_after']:.4f}")
+            if distilled.get("cosine_after") is not None:
+                lines.append("- held-out mean-pooled embedding cosine vs the original: "
+                             f"{distilled['cosine_before']:.4f} -> {distilled['cosine_after']:.4f}")
+            lines.append(f"- kept step {distilled['best_step']} of {distilled['steps']} ({distilled['seconds']:.0f} s)")
+        per_layer = report.get("layers", [])
+        if per_layer:
+            lines += ["", "| layer | relative output error before | after |", "|---|---|---|"]
+            lines += [f"| `{r['layer']}` | {r['error_before']:.4f} | {r['error_after']:.4f} |" for r in per_layer]
+        if report.get("verdict"):
+            lines += ["", f"Verdict: {report['verdict']}."]
+        for key, value in report.get("metrics", {}).items():
+            lines.append(f"- {key}: {value}")
+    lines += [
+        "",
+        "## Loading",
+        "",
+        "Without hf_primal (the modeling code ships in this repository):",
+        "",
+        "```python",
+        "from transformers import " + auto,
+        f"model = {auto}.from_pretrained(\"<this folder or repo id>\", trust_remote_code=True)",
+        "```",
+        "",
+        "Every Auto class listed in the `auto_map` of config.json loads it the same way (a head the checkpoint does",
+        "not have is initialised as usual), and so do pipelines: `pipeline(task, model=..., trust_remote_code=True)`.",
+        "",
+        "With hf_primal installed, `import hf_primal` first and `trust_remote_code` is not needed (also not for",
+        "`AutoTokenizer`, which reads config.json and would otherwise ask whether to run the custom code).",
+        "Loading through the Auto classes with neither fails on the unknown model type instead of silently",
+        "building a stock model. Do not load it with a stock class such as `BertModel` directly: transformers",
+        "would only warn about the model type and leave the primal layers without their weights.",
+        "",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,82 @@
+"""The architecture registry: every architecture hf_primal supports, one module each.
+
+To add one, write ``hf_primal/models/<model_type>.py`` (a ``Primal*Attention`` forward, `shareable_classes` and an
+`Architecture` record; see bert.py) and list the module in `_MODULES` below. Everything else (model detection,
+conversion, LoRA targets, shareable classes and Auto registration, remote code) reads the records.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from ..conversion import Architecture, convert_layers
+from . import bert, deit, distilbert, gpt2, roberta, vit
+
+_MODULES = (bert, vit, gpt2, roberta, distilbert, deit)
+
+ARCHITECTURES: tuple[Architecture, ...] = tuple(module.ARCHITECTURE for module in _MODULES)
+BY_NAME: dict[str, Architecture] = {a.name: a for a in ARCHITECTURES}
+# The module each architecture's record lives in (hf_primal/hub.py copies it next to shared checkpoints).
+SOURCE_FILES: dict[str, str] = {module.ARCHITECTURE.name: module.__file__ for module in _MODULES}
+
+SUPPORTED_ARCHITECTURES = ", ".join(
+    f"{a.name} ({', '.join(sorted(stock.__name__ for stock in a.shareable_models))})" for a in ARCHITECTURES
+)
+
+
+def find_architecture(model: nn.Module) -> Architecture:
+    """The registered architecture of `model`; ValueError naming the supported ones otherwise."""
+    for architecture in ARCHITECTURES:
+        if isinstance(model, architecture.base_class):
+            return architecture
+    config = getattr(model, "config", None)
+    raise ValueError(
+        f"Primal-Attention does not support {type(model).__name__} (model_type="
+        f"{getattr(config, 'model_type', None)!r}); supported architectures: {SUPPORTED_ARCHITECTURES}."
+    )
+
+
+def apply_primal_attention(model: nn.Module, primal_config: Any = None) -> list[str]:
+    """Make the layers selected by ``model.config.primal_attention`` (or `primal_config`) primal, in place.
+
+    Returns the regexes of checkpoint keys the primal layers no longer have (value projections).
+    """
+    return convert_layers(model, find_architecture(model), primal_config)
+
+
+def shareable_class(model_class: type) -> type | None:
+    """The shareable ``Primal*`` class for `model_class` (a stock class, a subclass of one, or a shareable class)."""
+    for cls in model_class.__mro__:
+        for architecture in ARCHITECTURES:
+            if cls in architecture.shareable_models:
+                return architecture.shareable_models[cls]
+    return None
+
+
+def drop_value_renamings(model: nn.Module, conversions: list) -> list:
+    """`conversions` without the renaming rules that target only value projections `model` does not have.
+
+    Primal layers drop their value projections; once every layer of a ViT is primal, a rule such as
+    ``attention.value -> v_proj`` renames nothing, on load or in reverse on save. transformers' check that each
+    rule of a model matches one of its serialized keys (``test_reverse_loading_mapping``) would flag it, so it
+    is left out for such a model only; with any softmax layer left the rule still applies.
+    """
+    spec = getattr(getattr(model, "config", None), "primal_attention", None)
+    if spec is None or not conversions:
+        return conversions
+    value_attrs = {a.value_attr for a in ARCHITECTURES if a.value_attr}
+    keys = None
+    kept = []
+    for transform in conversions:
+        targets = list(getattr(transform, "target_patterns", None) or [])
+        renames_values = type(transform).__name__ == "WeightRenaming" and targets and all(
+            "\\" not in target and value_attrs & set(target.strip(".").split(".")) for target in targets
+        )
+        if renames_values:
+            keys = list(model.state_dict()) if keys is None else keys
+            if not any(target in key for target in targets for key in keys):
+                continue
+        kept.append(transform)
+    return kept

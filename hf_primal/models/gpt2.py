@@ -1,0 +1,58 @@
+"""GPT-2: causal primal attention with a constant-size generation cache; the fused ``c_attn`` keeps its value third."""
+
+import torch
+from transformers.models.gpt2 import modeling_gpt2
+from transformers.models.gpt2.configuration_gpt2 import GPT2Config
+from transformers.pytorch_utils import Conv1D
+
+from ..conversion import Architecture
+from ..layers import pop_cache, run_primal, split_heads
+from ..shareable import shareable_classes
+
+
+class PrimalGPT2Attention(modeling_gpt2.GPT2Attention):
+    """GPT-2 self-attention computed by causal Primal-Attention with a constant-size cache.
+
+    The fused ``c_attn`` keeps its value third so that ordinary checkpoints and LoRA on ``c_attn`` load
+    unchanged; the stock Conv1D path multiplies only the q/k two thirds.
+    """
+
+    _is_primal_attention = True
+
+    def forward(self, hidden_states, cache=None, attention_mask=None, encoder_hidden_states=None,
+                encoder_attention_mask=None, output_attentions=False, **kwargs):
+        cache = pop_cache(cache, kwargs)
+        if encoder_hidden_states is not None:
+            raise ValueError("PrimalGPT2Attention is a self-attention layer; cross-attention stays canonical.")
+        width = 2 * self.split_size
+        if type(self.c_attn) is Conv1D:
+            flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+            qk = torch.addmm(self.c_attn.bias[:width], flat, self.c_attn.weight[:, :width])
+            qk = qk.view(*hidden_states.shape[:-1], width)
+        else:  # wrapped (e.g. LoRA): call the module so the wrapper takes part
+            qk = self.c_attn(hidden_states)[..., :width]
+        q, k = split_heads(*qk.split(self.split_size, dim=-1), self.head_dim)
+        out, attention = run_primal(
+            self, q, k, hidden_states, attention_mask, cache, output_attentions=output_attentions, **kwargs
+        )
+        return self.resid_dropout(self.c_proj(out)), attention
+
+
+CONFIG, MODELS = shareable_classes(globals(), "gpt2", GPT2Config, modeling_gpt2, modeling_gpt2.GPT2PreTrainedModel)
+
+ARCHITECTURE = Architecture(
+    name="gpt2",
+    base_class=modeling_gpt2.GPT2PreTrainedModel,
+    attention_class=modeling_gpt2.GPT2Attention,
+    primal_class=PrimalGPT2Attention,
+    list_layers=lambda base: [(f"h.{i}.attn", block.attn) for i, block in enumerate(base.h)],
+    head_geometry=lambda module: (module.num_heads, module.head_dim),
+    qk_names=("c_attn",),
+    value_attr=None,
+    value_checkpoint_patterns=lambda i: [],
+    max_tokens=lambda config: config.n_positions,
+    causal=lambda config: True,
+    shareable_config=CONFIG,
+    shareable_models=MODELS,
+    lora_fan_in_fan_out=True,  # Conv1D stores its weight transposed
+)

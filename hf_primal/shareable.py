@@ -1,0 +1,98 @@
+"""Shareable primal classes: a ``Primal*Config`` and a ``Primal*`` subclass of every model class of an architecture.
+
+They carry their own model_type (``"primal_bert"``, ...). A saved folder's config.json has an ``auto_map`` to them,
+so ``AutoModel*.from_pretrained(folder, trust_remote_code=True)`` rebuilds the primal layers where hf_primal is not
+installed, and plain Auto loading without the plugin or trust_remote_code fails loudly (unknown model type) instead
+of producing a stock model with missing weights. Each architecture module (hf_primal/models/) makes its classes
+with `shareable_classes`.
+
+Imports only torch, transformers and flat hf_primal modules: copied next to shared checkpoints as remote code.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from types import ModuleType
+from typing import Any, Optional
+
+from .conversion import convert_layers, init_primal_core, prepare_primal_cache
+from .model_card import model_card
+
+
+class PrimalModelMixin:
+    """Converts in `post_init` (the plugin's hook does the same when it is installed; conversion is idempotent),
+    and writes a model card next to the weights."""
+
+    _primal_architecture = None  # set by `conversion.Architecture`
+
+    def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+        result = super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            with open(os.path.join(save_directory, "README.md"), "w", encoding="utf-8") as handle:
+                handle.write(model_card(self))
+        return result
+
+    def push_to_hub(self, repo_id: str, *, commit_message: Optional[str] = None, private: Optional[bool] = None,
+                    token: Any = None, revision: Optional[str] = None, create_pr: bool = False,
+                    max_shard_size: Any = "50GB", commit_description: Optional[str] = None, **kwargs: Any) -> Any:
+        # Same upload path as transformers' push_to_hub, but keeps the model card written by save_pretrained
+        # (transformers would replace it with a generic one).
+        from transformers.utils.hub import hf_api  # the Hub client is needed only when uploading
+
+        repo_id = hf_api().create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
+        with tempfile.TemporaryDirectory() as tmp_dir:
+            self.save_pretrained(tmp_dir, max_shard_size=max_shard_size)
+            return self._upload_modified_files(
+                tmp_dir, repo_id, files_timestamps={}, commit_message=commit_message, token=token,
+                create_pr=create_pr, revision=revision, commit_description=commit_description,
+            )
+
+    def _prepare_cache_for_generation(self, generation_config: Any, model_kwargs: dict, *args: Any, **kwargs: Any):
+        result = super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        prepare_primal_cache(self, model_kwargs, generation_config)
+        return result
+
+    def post_init(self) -> None:
+        ignore = convert_layers(self, self._primal_architecture)
+        super().post_init()
+        if ignore:
+            self._keys_to_ignore_on_load_unexpected = set(self._keys_to_ignore_on_load_unexpected or ()) | set(ignore)
+
+    def _init_weights(self, module: Any) -> None:
+        super()._init_weights(module)
+        if getattr(module, "_is_primal_core", False):
+            init_primal_core(module)
+
+
+def shareable_classes(
+    namespace: dict, name: str, config_class: type, modeling: ModuleType, base_class: type
+) -> tuple[type, dict]:
+    """Define ``Primal<Config>`` and ``Primal<Model>`` for every model class of one architecture in `namespace`.
+
+    Args:
+        namespace: the architecture module's ``globals()``: the classes are defined there, under their names, so that
+            an ``auto_map`` entry such as ``"modeling_primal_bert.PrimalBertModel"`` finds them.
+        name: transformers' model_type ("bert"); the classes get ``"primal_<name>"``.
+        config_class: the stock config class (``BertConfig``).
+        modeling: transformers' modeling module of the architecture; every public subclass of `base_class` it
+            defines gets a shareable twin, so no head transformers has is missed.
+        base_class: the architecture's ``*PreTrainedModel``.
+    Returns:
+        (the config class, {stock model class: shareable subclass}).
+    """
+    module = namespace["__name__"]
+    config = type(f"Primal{config_class.__name__}", (config_class,),
+                  {"model_type": f"primal_{name}", "primal_attention": None, "__module__": module})
+    models = {}
+    stock_classes = sorted(
+        (c for c in vars(modeling).values()
+         if isinstance(c, type) and issubclass(c, base_class) and c is not base_class
+         and c.__module__ == modeling.__name__ and not c.__name__.startswith("_")),
+        key=lambda c: c.__name__,
+    )
+    for stock in stock_classes:
+        models[stock] = type(f"Primal{stock.__name__}", (PrimalModelMixin, stock),
+                             {"config_class": config, "__module__": module})
+    namespace.update({cls.__name__: cls for cls in (config, *models.values())})
+    return config, models
