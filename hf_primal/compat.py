@@ -98,7 +98,7 @@ INTERNALS: tuple[Internal, ...] = (
 )
 
 # Set by Trainer.__init__; checked by PrimalTrainer after it ran (instances only).
-TRAINER_ATTRIBUTES = ("model_accepts_loss_kwargs", "compute_loss_func", "accelerator")
+TRAINER_ATTRIBUTES = ("model_accepts_loss_kwargs", "compute_loss_func", "loss_is_scaled_for_ga", "accelerator")
 
 
 def _installed_version() -> str:

@@ -11,6 +11,7 @@ from torch import nn
 from transformers import Trainer
 
 from .compat import check_trainer_instance
+from .config import PrimalAttentionConfig
 from .distill import check_compatible, resolve_target, student_teacher_loss
 from .loss import REDUCTIONS, clear_ksvd_terms, collect_ksvd_terms, ksvd_from_terms, primal_model
 
@@ -38,6 +39,21 @@ def _loss_uses_num_items(model: nn.Module) -> bool:
     except (OSError, TypeError):
         return True
     return "loss_function" in source
+
+
+def _declare_causal_lm_loss(model: Optional[nn.Module]) -> None:
+    """Give ``*LMHeadModel`` heads (GPT-2, BERT as decoder) the ``loss_type`` their loss already is.
+
+    Their class names match no entry of transformers' loss table, so ``loss_type`` stays None while
+    ``loss_function`` falls back to the causal-LM loss. Trainer decides from ``loss_type`` whether labels are shifted
+    when it counts ``num_items_in_batch``; with None it counts all N labels of a row although N - 1 are predicted,
+    so a stock Trainer reports eval loss (and perplexity) too low by a factor (N - 1) / N.
+    """
+    if model is None:
+        return
+    inner = primal_model(model)
+    if getattr(inner, "loss_type", "") is None and type(inner).__name__.endswith("LMHeadModel"):
+        inner.loss_type = "ForCausalLM"
 
 
 class PrimalTrainer(Trainer):
@@ -75,6 +91,7 @@ class PrimalTrainer(Trainer):
         primal_learning_rate: Optional[float] = None,
         **kwargs: Any,
     ):
+        _declare_causal_lm_loss(kwargs["model"] if "model" in kwargs else (args[0] if args else None))
         super().__init__(*args, **kwargs)
         check_trainer_instance(self)
         inner = primal_model(self.model)
@@ -84,7 +101,7 @@ class PrimalTrainer(Trainer):
                 f"PrimalTrainer needs a model with primal attention layers; {type(inner).__name__} has no "
                 "config.primal_attention. Build or load it with primal_attention=... first."
             )
-        eta = spec.get("eta", 0.1) if ksvd_weight is None else ksvd_weight
+        eta = PrimalAttentionConfig.coerce(spec).eta if ksvd_weight is None else ksvd_weight
         if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not (0 <= eta < float("inf")):
             raise ValueError(f"PrimalTrainer: ksvd_weight={eta!r} is not allowed: it must be a finite number >= 0.")
         self.ksvd_weight = float(eta)
