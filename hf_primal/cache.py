@@ -25,13 +25,26 @@ that part grows with the context, and only when attentions are asked for.
 
 from __future__ import annotations
 
+import inspect
 import types
+from functools import lru_cache
 from typing import Optional
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, EncoderDecoderCache, StaticLayer
 
 from .primal import CausalState
+
+
+@lru_cache(maxsize=None)
+def cache_kwarg() -> str:
+    """The keyword models and generate() take the cache under: ``cache`` from transformers 5.24 on,
+    ``past_key_values`` before (also the field name on generate()'s outputs)."""
+    from transformers.generation.utils import GenerationMixin
+
+    params = inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
 
 DEFAULT_CROP_WINDOW = 64
 
@@ -168,7 +181,7 @@ class PrimalCacheLayer(CacheLayerMixin):
                 f"({self._WHAT_IT_KEEPS}). Call `cache.activate_past_recording()` before the forward passes you may "
                 "want to undo (generate does this for assisted and prompt-lookup decoding). A primal layer is put into "
                 "a cache you create yourself at the model's first forward, so call it after that forward, or first run "
-                "`prepare_primal_cache(model, {'cache': cache})` from hf_primal.modeling_primal."
+                f"`prepare_primal_cache(model, {{{cache_kwarg()!r}: cache}})` from hf_primal.conversion."
             )
         if n < self.seen and self.history_length() < n + 1:
             raise ValueError(

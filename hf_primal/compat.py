@@ -88,6 +88,8 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(f"{_CU}.StaticLayer", "recognise static caches"),
     Internal(f"{_CU}.EncoderDecoderCache", "find the self-attention cache of encoder-decoder caches"),
     Internal("transformers.models.auto.modeling_auto.MODEL_MAPPING_NAMES", "derive the auto_map of shared models"),
+    Internal("transformers.generation.utils.GenerationMixin.prepare_inputs_for_generation",
+             "tell the cache keyword of this release (`cache.cache_kwarg`)", ("input_ids",)),
     Internal(f"{_TR}.compute_loss", "add eta * KSVD (and distillation) to the task loss",
              ("model", "inputs", "return_outputs", "num_items_in_batch")),
     Internal(f"{_TR}.create_optimizer", "give new primal parameters their own parameter group"),

@@ -19,7 +19,7 @@ from torch import nn
 from transformers import initialization as hf_init
 from transformers.cache_utils import Cache
 
-from .cache import DEFAULT_CROP_WINDOW, primal_cache_layer
+from .cache import DEFAULT_CROP_WINDOW, cache_kwarg, primal_cache_layer
 from .config import PrimalAttentionConfig
 from .primal import PrimalCore, num_sampled_tokens
 
@@ -122,7 +122,7 @@ def prepare_primal_cache(model: nn.Module, model_kwargs: dict, generation_config
     transformers calls before the prefill of assisted / prompt-lookup decoding (and right after creating an
     assistant's cache), reach them, so they keep the per-token states that ``crop`` needs.
     """
-    cache = model_kwargs.get("cache")
+    cache = model_kwargs.get(cache_kwarg())
     if cache is None or not isinstance(cache, Cache):
         return
     layers = [

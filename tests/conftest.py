@@ -7,7 +7,18 @@ import pytest
 import torch
 
 import hf_primal  # noqa: F401  (installs the hooks under test)
+from hf_primal.cache import cache_kwarg
 from transformers import BertConfig, GPT2Config, ViTConfig
+
+
+def cache_kw(cache) -> dict:
+    """``{"cache": cache}`` (transformers >= 5.24) or ``{"past_key_values": cache}`` (5.23), to pass as ``**``."""
+    return {cache_kwarg(): cache}
+
+
+def returned_cache(output):
+    """The cache on a model / generate() output, whichever name this transformers release gives it."""
+    return getattr(output, cache_kwarg())
 
 
 def bert_config(**kw):

@@ -11,7 +11,7 @@ from datasets import Dataset
 from transformers import DynamicCache, GPT2LMHeadModel, TrainingArguments
 
 from hf_primal import PrimalTrainer, ksvd_loss
-from tests.conftest import gpt2_config
+from tests.conftest import cache_kw, gpt2_config
 
 
 def _gpt2(layers="all"):
@@ -31,10 +31,10 @@ def test_cached_decode_equals_full_forward_and_skips_terms(layers):
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
         cache = DynamicCache(config=model.config)
-        logits = [model(ids[:, :5], cache=cache, use_cache=True).logits]
+        logits = [model(ids[:, :5], **cache_kw(cache), use_cache=True).logits]
         assert all(m.ksvd_terms is not None for m in _primal_modules(model))  # the prefill keeps its terms
         for i in range(5, 12):
-            logits.append(model(ids[:, i : i + 1], cache=cache, use_cache=True).logits)
+            logits.append(model(ids[:, i : i + 1], **cache_kw(cache), use_cache=True).logits)
             assert all(m.ksvd_terms is None for m in _primal_modules(model))  # decode steps skip them
     assert (torch.cat(logits, dim=1) - full).abs().max() < 1e-5
 
@@ -47,8 +47,8 @@ def test_left_padded_cached_decode_equals_full_forward():
     with torch.no_grad():
         full = model(ids, attention_mask=mask, use_cache=False).logits
         cache = DynamicCache(config=model.config)
-        model(ids[:, :6], attention_mask=mask[:, :6], cache=cache, use_cache=True)
-        steps = [model(ids[:, i : i + 1], attention_mask=mask[:, : i + 1], cache=cache, use_cache=True).logits
+        model(ids[:, :6], attention_mask=mask[:, :6], **cache_kw(cache), use_cache=True)
+        steps = [model(ids[:, i : i + 1], attention_mask=mask[:, : i + 1], **cache_kw(cache), use_cache=True).logits
                  for i in range(6, 10)]
     assert (torch.cat(steps, dim=1) - full[:, 6:]).abs().max() < 1e-5
 
@@ -72,8 +72,8 @@ def test_training_and_no_grad_evaluation_with_a_cache_still_get_ksvd_terms():
     model.eval()
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
-        model(ids, cache=cache, use_cache=True)
-        model(ids[:, :1], cache=cache, use_cache=True)
+        model(ids, **cache_kw(cache), use_cache=True)
+        model(ids[:, :1], **cache_kw(cache), use_cache=True)
     with pytest.raises(ValueError, match="decod"):
         ksvd_loss(model)
 

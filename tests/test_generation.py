@@ -17,7 +17,7 @@ import torch
 from transformers import BertLMHeadModel, DynamicCache, DynamicLayer, GPT2LMHeadModel
 
 from hf_primal.cache import PrimalCacheLayer, cache_nbytes
-from tests.conftest import bert_config, gpt2_config
+from tests.conftest import bert_config, cache_kw, gpt2_config, returned_cache
 
 REPO = Path(__file__).resolve().parents[1]
 LAYOUTS = [pytest.param("all", id="all-primal"), pytest.param([-1], id="last-layer-primal")]
@@ -71,7 +71,7 @@ def test_every_generated_step_matches_a_full_forward(layers):
     assert len(set(cached.sequences[0, 4:].tolist())) > 5  # not a single repeated token
     primal = _primal_indices(model)
     kinds = [PrimalCacheLayer if i in primal else DynamicLayer for i in range(model.config.n_layer)]
-    assert [type(layer) for layer in cached.cache.layers] == kinds
+    assert [type(layer) for layer in returned_cache(cached).layers] == kinds
 
 
 @pytest.mark.parametrize("layers", ["all", [0]], ids=["all-primal", "first-layer-primal"])
@@ -82,9 +82,9 @@ def test_causal_bert_stepwise_matches_full_forward(layers):
     with torch.no_grad():
         full = model(ids).logits
         cache = DynamicCache(config=model.config)
-        steps = [model(ids[:, :5], cache=cache, use_cache=True).logits]
+        steps = [model(ids[:, :5], **cache_kw(cache), use_cache=True).logits]
         for t in range(5, 12):
-            steps.append(model(ids[:, t:t + 1], cache=cache, use_cache=True).logits)
+            steps.append(model(ids[:, t:t + 1], **cache_kw(cache), use_cache=True).logits)
         cached = model.generate(ids[:, :4], max_new_tokens=10, do_sample=False)
         uncached = model.generate(ids[:, :4], max_new_tokens=10, do_sample=False, use_cache=False)
     assert (torch.cat(steps, dim=1) - full).abs().max() <= 1e-5
@@ -160,10 +160,10 @@ def test_cache_batch_repeat_and_select_continue_exactly(layers):
     ids, more = torch.randint(1, 120, (2, 8)), torch.randint(1, 120, (2, 3))
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
-        model(ids, cache=cache, use_cache=True)
+        model(ids, **cache_kw(cache), use_cache=True)
         cache.batch_repeat_interleave(2)  # rows a, a, b, b
         cache.batch_select_indices(torch.tensor([2, 1]))  # rows b, a
-        continued = model(more, cache=cache, use_cache=True).logits
+        continued = model(more, **cache_kw(cache), use_cache=True).logits
         full = model(torch.cat([ids[[1, 0]], more], dim=1)).logits[:, -3:]
     assert (continued - full).abs().max() <= 1e-5
 
@@ -174,7 +174,7 @@ def test_generation_continues_from_a_returned_cache(layers):
     prompt = torch.randint(1, 120, (1, 6))
     with torch.no_grad():
         first = model.generate(prompt, max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
-        resumed = model.generate(first.sequences, cache=first.cache, max_new_tokens=7, do_sample=False)
+        resumed = model.generate(first.sequences, **cache_kw(returned_cache(first)), max_new_tokens=7, do_sample=False)
         fresh = model.generate(first.sequences, max_new_tokens=7, do_sample=False, use_cache=False)
     assert torch.equal(resumed, fresh)
 
@@ -191,9 +191,9 @@ def test_primal_state_size_does_not_depend_on_context_length(layers):
     for length in (3, 17, 50):
         cache = DynamicCache(config=model.config)
         with torch.no_grad():
-            model(torch.randint(1, 120, (2, length)), cache=cache, use_cache=True)
+            model(torch.randint(1, 120, (2, length)), **cache_kw(cache), use_cache=True)
             for _ in range(3):
-                model(torch.randint(1, 120, (2, 1)), cache=cache, use_cache=True)
+                model(torch.randint(1, 120, (2, 1)), **cache_kw(cache), use_cache=True)
         for i, layer in enumerate(cache.layers):
             if i in primal:
                 assert isinstance(layer, PrimalCacheLayer) and layer.seen == length + 3
@@ -217,7 +217,7 @@ def test_primal_state_owns_its_memory_right_after_prefill():
     model = _gpt2("all")
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(torch.randint(1, 120, (1, 60)), cache=cache, use_cache=True)
+        model(torch.randint(1, 120, (1, 60)), **cache_kw(cache), use_cache=True)
     for layer in cache.layers:
         for tensor in layer.state:
             assert tensor.untyped_storage().nbytes() == tensor.numel() * 4
@@ -230,7 +230,7 @@ def test_cache_nbytes_counts_kv_layers_and_primal_states():
     for model, expected in ((stock, 2 * 2 * HEADS * 9 * HEAD_DIM * 4), (hybrid, (2 * HEADS * 9 * HEAD_DIM + 2 * HEADS * HEAD_DIM + 1) * 4)):
         cache = DynamicCache(config=model.config)
         with torch.no_grad():
-            model(torch.randint(1, 120, (1, 9)), cache=cache, use_cache=True)
+            model(torch.randint(1, 120, (1, 9)), **cache_kw(cache), use_cache=True)
         assert cache_nbytes(cache) == expected
 
 
@@ -243,9 +243,9 @@ def test_cache_already_holding_keys_at_a_primal_layer_is_refused():
     ids = torch.randint(1, 120, (1, 5))
     cache = DynamicCache(config=stock.config)
     with torch.no_grad():
-        stock(ids, cache=cache, use_cache=True)
+        stock(ids, **cache_kw(cache), use_cache=True)
         with pytest.raises(ValueError, match=r"layer 1 cannot use a DynamicCache whose layer is a DynamicLayer"):
-            model(torch.randint(1, 120, (1, 1)), cache=cache, use_cache=True)
+            model(torch.randint(1, 120, (1, 1)), **cache_kw(cache), use_cache=True)
 
 
 # ------------------------------------------------------------------ benchmark script

@@ -36,7 +36,7 @@ from transformers.core_model_loading import WeightRenaming
 import hf_primal
 from hf_primal.cache import PrimalCacheLayer, cache_nbytes
 from hf_primal.primal import PrimalCore
-from tests.conftest import bert_config, gpt2_config, vit_config
+from tests.conftest import bert_config, cache_kw, gpt2_config, vit_config
 
 HEADS, HEAD_DIM = 4, 8  # every tiny config: hidden 32, 4 heads
 ALL = {"layers": "all", "low_rank": 4, "rank_multi": 2}
@@ -288,11 +288,11 @@ def test_generate_dict_outputs_attentions_match_a_full_forward():
     # Without output_attentions the cache stays constant-size; with it, it keeps the keys' features.
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
+        model(input_ids=ids, attention_mask=mask, **cache_kw(cache), use_cache=True)
     assert all(layer.key_features is None for layer in cache.layers)
     with pytest.raises(ValueError, match="output_attentions=True from the first forward"):
         with torch.no_grad():
-            model(input_ids=ids[:, :1], attention_mask=torch.cat([mask, mask[:, :1]], 1), cache=cache,
+            model(input_ids=ids[:, :1], attention_mask=torch.cat([mask, mask[:, :1]], 1), **cache_kw(cache),
                   use_cache=True, output_attentions=True)
 
 
