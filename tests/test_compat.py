@@ -129,3 +129,10 @@ def test_trainer_attributes_are_checked():
 
     with pytest.raises(compat.IncompatibleTransformersError, match=r"\['model_accepts_loss_kwargs', 'compute_loss_func', 'loss_is_scaled_for_ga'\]"):
         compat.check_trainer_instance(NotATrainer())
+
+
+def test_ci_tests_the_lowest_supported_release():
+    with open(os.path.join(ROOT, ".ci", "run")) as f:
+        lowest = re.search(r"^LOWEST_TRANSFORMERS=(\S+)$", f.read(), flags=re.M).group(1)
+    bound = re.search(r">=([\d.]+)", compat.TRANSFORMERS_RANGE).group(1)
+    assert Version(lowest) == Version(bound)
