@@ -64,6 +64,8 @@ INTERNALS: tuple[Internal, ...] = (
              "give shareable Primal* classes the renaming rules of their stock class"),
     Internal("transformers.conversion_mapping.register_checkpoint_conversion_mapping",
              "give shareable Primal* classes the renaming rules of their stock class"),
+    Internal("transformers.utils.output_capturing._CAN_RECORD_REGISTRY",
+             "register the outputs a model can record when convert() swaps in a shareable Primal* class"),
     Internal("transformers.utils.output_capturing._active_collector",
              "return the kernel matrix when output_attentions=True is requested through the output collector"),
     Internal(f"{_PM}._keys_to_ignore_on_load_unexpected", "keep dropped value projections out of the load report"),

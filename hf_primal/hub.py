@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional
 from torch import nn
 from transformers import AutoConfig
 from transformers.models.auto import modeling_auto
+from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
 
 from .model_card import model_card
 from .models import ARCHITECTURES, BY_NAME, SOURCE_FILES, find_architecture, shareable_class
@@ -138,6 +139,10 @@ def enable_remote_code(model: nn.Module) -> nn.Module:
     model.__class__ = primal
     model.config.__class__ = architecture.shareable_config
     model.config.auto_map = hub_auto_map(architecture.name)
+    # transformers looks up which outputs (attentions, hidden states) a model can record by its class, registered
+    # when a model is constructed; a class swapped in afterwards must be registered too, or output_attentions=True
+    # returns no attentions.
+    _CAN_RECORD_REGISTRY[model] = model._can_record_outputs
     return model
 
 

@@ -399,3 +399,35 @@ def test_demo_reduced_mode(tmp_path, capsys):
     assert [model.config.id2label[int(i)] for i in logits.argmax(-1)] == [results["examples"][t] for t in EXAMPLES]
     card = (tmp_path / "demo" / "README.md").read_text()
     assert "base_model: sentence-transformers/all-MiniLM-L6-v2" in card and "site-packages" not in card
+
+
+@pytest.mark.parametrize("arch", ["bert", "vit", "gpt2"])
+def test_converted_model_returns_attentions_like_its_reloaded_copy(tmp_path, arch):
+    # convert() swaps in the shareable Primal* class after construction; output_attentions must still reach every
+    # primal layer. transformers registers the outputs a model can record per class when a model is constructed, so
+    # a base model (no PreTrainedModel child to fall back on) of a class not built before returned no attentions.
+    from transformers import AutoModel, GPT2Model, ViTModel
+    from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+
+    from hf_primal.models import BY_NAME
+
+    torch.manual_seed(0)
+    stock = {"bert": lambda: BertModel(bert_config(num_hidden_layers=3)),
+             "vit": lambda: ViTModel(vit_config(num_hidden_layers=3)),
+             "gpt2": lambda: GPT2Model(gpt2_config(n_layer=3))}[arch]()
+    shareable = BY_NAME[arch].shareable_models[type(stock)]
+    _CAN_RECORD_REGISTRY.pop(str(shareable), None)  # as in a fresh process
+    model = convert(stock, {"layers": "all", "low_rank": 4, "rank_multi": 2}).eval()
+    assert type(model) is shareable
+    batch = _batches(arch, 1)[0]
+    with torch.no_grad():
+        attentions = model(**batch, output_attentions=True).attentions
+    hf_primal.save_converted(model, tmp_path / "out")
+    again = AutoModel.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        reloaded = again(**batch, output_attentions=True).attentions
+    tokens = 17 if arch == "vit" else 12  # ViT: 16 patches + [CLS]
+    assert len(attentions) == len(reloaded) == 3
+    for mine, theirs in zip(attentions, reloaded):
+        assert mine.shape == (4, 4, tokens, tokens) and mine.abs().sum() > 0
+        assert torch.equal(mine, theirs)
