@@ -113,7 +113,7 @@ def _primal_curves(
         kind, cores = PRIMAL, None
         if primal_kernel == "sampled":
             # F_h^T F_h from the tokens the layer itself sampled (same padding-aware rule as its forward)
-            cores = sampled_gram(captured["x"].double(), layer_valid, core.num_samples, heads)
+            cores = sampled_gram(captured["x"].double(), layer_valid, core.num_samples, heads, core.sampling)
     curves = []
     for b in range(batch):
         rows = layer_valid[b].nonzero().squeeze(-1)

@@ -13,6 +13,8 @@ import sys
 import traceback
 from typing import NoReturn, Optional, Sequence
 
+from .config import parse_layers  # standard library only
+
 
 class CLIError(Exception):
     """An error the user can act on: printed as one line, exit status 1."""
@@ -25,14 +27,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _layers(value: str):
-    if value == "all":
-        return "all"
     try:
-        return [int(v) for v in value.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--layers {value!r} is not allowed: use 'all' or comma-separated indices such as -1 or 0,3"
-        ) from None
+        return parse_layers(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"--{error}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,7 +15,32 @@ from typing import Any, Union
 LayersSpec = Union[str, list[int]]
 
 _REDUCTIONS = ("sequence", "batch")
+# How encoders spread p sampled slots over a sequence of L < p valid tokens (docs/method.md, "Sampling"). A stored
+# primal_attention without the field was written before "even" existed and keeps the rule it was trained with.
+SAMPLING_RULES = ("even", "legacy")
+SAMPLING_WHEN_NOT_SAVED = "legacy"
 _DEFAULT_CROP_WINDOW = 64  # hf_primal.cache.DEFAULT_CROP_WINDOW
+
+
+LAYERS_SYNTAX = '"all" or comma-separated integer layer indices such as "-1" or "0,3"'
+
+
+def parse_layers(text: str) -> LayersSpec:
+    """A layer selection as typed on a command line (the CLI's ``--layers``, the scripts' ``--primal_layers``).
+
+    ``"all"`` in any case -> ``"all"``; ``"-1"`` -> ``[-1]``; ``" 0, 3 "`` -> ``[0, 3]``. Anything else, including an
+    empty entry (``"0,,3"``) or an empty string, is a ValueError naming the value and the syntax.
+    """
+    value = text.strip()
+    if value.lower() == "all":
+        return "all"
+    parts = [part.strip() for part in value.split(",")]
+    try:
+        if "" in parts:
+            raise ValueError
+        return [int(part) for part in parts]
+    except ValueError:
+        raise ValueError(f"layers {text!r} is not allowed: use {LAYERS_SYNTAX} (no empty entries).") from None
 
 
 @dataclass
@@ -32,6 +57,10 @@ class PrimalAttentionConfig:
         eta: weight of the KSVD regulariser added to the task loss by `PrimalTrainer`.
         ksvd_reduction: ``"sequence"`` (J per sequence, squared, then averaged; the default) or ``"batch"``
             (J over the whole batch, as in the paper's CV/LRA code).
+        sampling: how encoders sample when a sequence has fewer valid tokens L than p slots: ``"even"`` (the
+            default: every valid token gets floor(p/L) or ceil(p/L) slots) or ``"legacy"`` (the rule of hf_primal
+            0.1: the last valid token gets one slot, the others about p/L). Identical when L >= p. Configs saved
+            without the field (hf_primal 0.1) load with ``"legacy"``; see `saved_config_dict`.
         crop_window: ``W``, how many of the latest tokens a causal layer's generation cache can take back
             (``cache.crop``, used by assisted and prompt-lookup decoding). While a cache records its past (transformers
             calls ``activate_past_recording`` for those modes) each causal primal layer keeps the running state after
@@ -44,6 +73,7 @@ class PrimalAttentionConfig:
     eta: float = 0.1
     ksvd_reduction: str = "sequence"
     crop_window: int = _DEFAULT_CROP_WINDOW
+    sampling: str = "even"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -89,6 +119,10 @@ class PrimalAttentionConfig:
                 f"PrimalAttentionConfig.ksvd_reduction={self.ksvd_reduction!r} is not allowed: use one of "
                 f"{list(_REDUCTIONS)}."
             )
+        if self.sampling not in SAMPLING_RULES:
+            raise ValueError(
+                f"PrimalAttentionConfig.sampling={self.sampling!r} is not allowed: use one of {list(SAMPLING_RULES)}."
+            )
 
     def resolve_layers(self, num_layers: int) -> list[int]:
         """Map `layers` onto ``range(num_layers)``; raises ValueError when an index does not exist."""
@@ -114,7 +148,8 @@ class PrimalAttentionConfig:
         """The plain-JSON form stored under ``"primal_attention"`` in ``config.json``.
 
         ``crop_window`` is written only when it differs from its default, so that checkpoints which do not change
-        it keep the fields that earlier hf_primal versions (and remote code copied with them) read.
+        it keep the fields that earlier hf_primal versions (and remote code copied with them) read. ``sampling`` is
+        always written: its absence marks a config saved before the field existed (`saved_config_dict`).
         """
         data = dataclasses.asdict(self)
         if data["crop_window"] == _DEFAULT_CROP_WINDOW:
@@ -146,3 +181,17 @@ class PrimalAttentionConfig:
             f"primal_attention={value!r} (type {type(value).__name__}) is not allowed: pass a PrimalAttentionConfig, "
             "a dict of its fields, or None."
         )
+
+
+def saved_config_dict(config_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """A model's config.json dict as read from disk, with the sampling rule its primal layers were saved with.
+
+    A ``primal_attention`` entry without ``sampling`` was written by hf_primal 0.1, whose only rule is ``"legacy"``;
+    it gets that rule explicitly, so that the checkpoint keeps computing what it was trained to compute. (Dicts a
+    user writes, e.g. ``from_pretrained(path, primal_attention={...})``, do not pass through here and default to
+    ``"even"``.)
+    """
+    spec = config_dict.get("primal_attention")
+    if isinstance(spec, Mapping) and "sampling" not in spec:
+        return {**config_dict, "primal_attention": {**spec, "sampling": SAMPLING_WHEN_NOT_SAVED}}
+    return dict(config_dict)

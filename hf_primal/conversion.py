@@ -90,6 +90,7 @@ def convert_layers(model: nn.Module, architecture: Architecture, primal_config: 
         ignore += architecture.value_checkpoint_patterns(index)
         if getattr(module, "_is_primal_attention", False):
             module._primal_crop_window = spec.crop_window
+            module.primal.sampling = spec.sampling
             continue
         if not isinstance(module, architecture.attention_class):
             raise ValueError(
@@ -105,6 +106,7 @@ def convert_layers(model: nn.Module, architecture: Architecture, primal_config: 
         samples = 0 if causal else num_sampled_tokens(architecture.max_tokens(config), spec.low_rank, spec.rank_multi)
         reference = getattr(module, architecture.qk_names[0]).weight
         core = PrimalCore(heads, dim, spec.low_rank, samples, causal)
+        core.sampling = spec.sampling
         module.__class__ = architecture.primal_class
         module.primal = core.to(device=reference.device, dtype=reference.dtype)
         module._primal_causal = causal

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from .config import PrimalAttentionConfig
 from .loss import ksvd_loss, primal_model
 
 TARGETS = ("auto", "hidden", "logits")
@@ -228,8 +229,10 @@ def distill(
     primal_learning_rate = _check_nonnegative("primal_learning_rate", primal_learning_rate, positive=True)
     temperature = _check_nonnegative("temperature", temperature, positive=True)
     pooled_weight = _check_nonnegative("pooled_weight", pooled_weight)
-    spec = getattr(primal_model(student).config, "primal_attention", None) or {}
-    eta = _check_nonnegative("ksvd_weight", spec.get("eta", 0.0) if ksvd_weight is None else ksvd_weight)
+    spec = getattr(primal_model(student).config, "primal_attention", None)
+    if ksvd_weight is None:  # the model's eta; a student without primal layers has no KSVD term
+        ksvd_weight = PrimalAttentionConfig.coerce(spec).eta if spec is not None else 0.0
+    eta = _check_nonnegative("ksvd_weight", ksvd_weight)
     target = resolve_target(student, target)
     check_compatible(student, teacher, target)
     batches = list(batches)

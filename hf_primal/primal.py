@@ -74,53 +74,65 @@ class CausalState(NamedTuple):
     count: torch.Tensor
 
 
-def l2_normalize(x: torch.Tensor) -> torch.Tensor:
-    """The cosine feature map, computed in fp32 (eps 1e-12 underflows in half precision)."""
-    return F.normalize(x.float(), dim=-1, eps=NORM_EPS)
+SAMPLING_RULES = ("even", "legacy")
 
 
-def sample_token_indices(valid: torch.Tensor, num_samples: int) -> torch.Tensor:
-    """Evenly spaced positions among the valid tokens of each sequence.
+def _sample_ranks(lengths: torch.Tensor, num_samples: int, rule: str) -> torch.Tensor:
+    """Rank among a sequence's valid tokens of the token each of the p slots holds: (B, 1) lengths -> (B, p).
 
-    For sequence b with valid positions v_b (L_b of them) returns idx[b, j] = v_b[floor(j (L_b - 1) / (p - 1))]
-    for j = 0..p-1: indices repeat when L_b < p, and left or right padding give the same tokens. Integer
-    arithmetic keeps the rule exact and identical on every device.
+    docs/method.md, "Sampling". L >= p (both rules): slot j holds rank floor(j (L - 1) / (p - 1)), p evenly spaced
+    tokens from the first to the last. L < p: ``"even"`` gives slot j rank floor(j L / p), so token r holds slots
+    ceil(r p / L) .. ceil((r + 1) p / L) - 1, i.e. floor(p/L) or ceil(p/L) slots each; ``"legacy"`` (hf_primal 0.1)
+    keeps the L >= p formula, which gives the last token one slot and every other about p / L. Integer arithmetic
+    keeps the rule exact and identical on every device.
+    """
+    if rule not in SAMPLING_RULES:
+        raise ValueError(f"sampling rule {rule!r} is not allowed: use one of {list(SAMPLING_RULES)}.")
+    if num_samples == 1:
+        return torch.zeros_like(lengths)
+    j = torch.arange(num_samples, device=lengths.device)
+    spread = (j * (lengths - 1).clamp(min=0)) // (num_samples - 1)
+    if rule == "legacy":
+        return spread
+    return torch.where(lengths < num_samples, (j * lengths) // num_samples, spread)
+
+
+def sample_token_indices(valid: torch.Tensor, num_samples: int, rule: str = "even") -> torch.Tensor:
+    """Positions of the p sampled tokens among the valid tokens of each sequence (`_sample_ranks` picks them).
+
+    The rule depends only on each token's rank among the valid ones, so left and right padding give the same
+    tokens.
 
     Args:
         valid: (B, N) bool, True at real tokens.
         num_samples: p >= 1.
+        rule: ``"even"`` or ``"legacy"`` (`PrimalAttentionConfig.sampling`).
     Returns:
         (B, p) int64 positions into the N axis (0 where a sequence has no valid token).
     """
-    batch, length = valid.shape
-    lengths = valid.sum(dim=1, keepdim=True)  # (B, 1)
-    j = torch.arange(num_samples, device=valid.device)
-    if num_samples == 1:
-        ranks = torch.zeros(batch, 1, dtype=torch.long, device=valid.device)
-    else:
-        ranks = (j[None, :] * (lengths - 1).clamp(min=0)) // (num_samples - 1)
+    length = valid.shape[1]
+    ranks = _sample_ranks(valid.sum(dim=1, keepdim=True), num_samples, rule)
     running = valid.long().cumsum(dim=1)
     # The position of the token of rank r is the first position where the running count reaches r + 1.
     idx = torch.searchsorted(running, ranks + 1)
     return idx.clamp(max=length - 1)
 
 
-def _even_positions(length: int, num_samples: int, device: torch.device) -> torch.Tensor:
+def _even_positions(length: int, num_samples: int, device: torch.device, rule: str = "even") -> torch.Tensor:
     """`sample_token_indices` for a batch without padding: one (p,) index shared by every sequence."""
-    if num_samples == 1:
-        return torch.zeros(1, dtype=torch.long, device=device)
-    return torch.arange(num_samples, device=device) * (length - 1) // (num_samples - 1)
+    lengths = torch.full((1, 1), length, dtype=torch.long, device=device)
+    return _sample_ranks(lengths, num_samples, rule)[0]
 
 
-def _sample_tokens(x: torch.Tensor, valid: Optional[torch.Tensor], num_samples: int) -> torch.Tensor:
+def _sample_tokens(x: torch.Tensor, valid: Optional[torch.Tensor], num_samples: int, rule: str = "even") -> torch.Tensor:
     """(B, N, C) -> (B, p, C) sampled rows of the layer input."""
     length = x.shape[1]
     if valid is None:
         if num_samples == length:  # every token, in order (e.g. ViT with p = N): no copy, no scatter in backward
             return x
         # One index for the whole batch: index_select is cheaper than a per-sequence gather and its backward.
-        return x.index_select(1, _even_positions(length, num_samples, x.device))
-    idx = sample_token_indices(valid, num_samples)
+        return x.index_select(1, _even_positions(length, num_samples, x.device, rule))
+    idx = sample_token_indices(valid, num_samples, rule)
     return torch.gather(x, 1, idx[:, :, None].expand(-1, -1, x.shape[-1]))
 
 
@@ -236,14 +248,16 @@ def prefix_mean_features(
     return F.normalize(means, dim=-1, eps=NORM_EPS)
 
 
-def sampled_gram(x: torch.Tensor, valid: Optional[torch.Tensor], num_samples: int, heads: int) -> torch.Tensor:
+def sampled_gram(
+    x: torch.Tensor, valid: Optional[torch.Tensor], num_samples: int, heads: int, rule: str = "even"
+) -> torch.Tensor:
     """F_h^T F_h for every sequence and head: (B, N, C) layer input -> (B, H, d, d), fp32 or wider.
 
     F_h (p x d) is the head-h block of the p sampled rows the non-causal forward builds W_{e|X} from (the same
     padding-aware `sample_token_indices` rule), so q_hat F_h^T F_h k_hat^T is the kernel its primal model implies.
     """
     batch = x.shape[0]
-    sampled = _sample_tokens(x, valid, num_samples).to(torch.promote_types(x.dtype, torch.float32))
+    sampled = _sample_tokens(x, valid, num_samples, rule).to(torch.promote_types(x.dtype, torch.float32))
     blocks = sampled.reshape(batch, num_samples, heads, -1).transpose(1, 2)  # (B, H, p, d)
     return blocks.mT @ blocks
 
@@ -474,6 +488,7 @@ class PrimalCore(nn.Module):
     """
 
     _is_primal_core = True
+    sampling = "even"  # the sampling rule (`SAMPLING_RULES`); conversion sets PrimalAttentionConfig.sampling
 
     def __init__(self, num_heads: int, head_dim: int, low_rank: int, num_samples: int, causal: bool) -> None:
         super().__init__()
@@ -634,7 +649,8 @@ class PrimalCore(nn.Module):
                 f"got hidden_size={x.shape[-1]}, num_heads={heads}, head_dim={dim}."
             )
         dtype = q.dtype
-        sampled = _sample_tokens(x, valid, self.num_samples).reshape(batch, self.num_samples, heads, dim).to(dtype)
+        sampled = _sample_tokens(x, valid, self.num_samples, self.sampling)
+        sampled = sampled.reshape(batch, self.num_samples, heads, dim).to(dtype)
         # Contracting over p keeps the weights (H, p, s): no per-sequence copy of W_e, W_r.
         we_x = torch.einsum("bphd,hps->bhds", sampled, self.We.to(dtype))  # (B, H, d, s)
         wr_x = torch.einsum("bphd,hps->bhds", sampled, self.Wr.to(dtype))
@@ -801,7 +817,7 @@ class PrimalCore(nn.Module):
             return full.permute(0, 3, 1, 2), None
         q_hat = F.normalize(q.to(torch.promote_types(q.dtype, torch.float32)), dim=-1, eps=NORM_EPS)
         k_hat = F.normalize(k.to(q_hat.dtype), dim=-1, eps=NORM_EPS)
-        gram = sampled_gram(x, valid, self.num_samples, heads).to(q_hat.dtype)
+        gram = sampled_gram(x, valid, self.num_samples, heads, self.sampling).to(q_hat.dtype)
         return kernel_matrix(q_hat, k_hat, gram, row_valid=valid, col_valid=valid), None
 
 

@@ -16,8 +16,19 @@ import tempfile
 from types import ModuleType
 from typing import Any, Optional
 
+from .config import saved_config_dict
 from .conversion import convert_layers, init_primal_core, prepare_primal_cache
 from .model_card import model_card
+
+
+class PrimalConfigMixin:
+    """Reads a shared folder's config.json with the sampling rule its primal layers were saved with."""
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs: Any) -> Any:
+        # Auto classes and remote code build the config from the dict read from disk here; user overrides such as
+        # from_pretrained(..., primal_attention={...}) come in kwargs and are applied afterwards, untouched.
+        return super().from_dict(saved_config_dict(config_dict), **kwargs)
 
 
 class PrimalModelMixin:
@@ -82,7 +93,7 @@ def shareable_classes(
         (the config class, {stock model class: shareable subclass}).
     """
     module = namespace["__name__"]
-    config = type(f"Primal{config_class.__name__}", (config_class,),
+    config = type(f"Primal{config_class.__name__}", (PrimalConfigMixin, config_class),
                   {"model_type": f"primal_{name}", "primal_attention": None, "__module__": module})
     models = {}
     stock_classes = sorted(

@@ -16,6 +16,7 @@ from typing import Any, Optional, Sequence
 
 # Importing hf_primal installs the hooks that make `primal_attention` a config option of BERT/ViT/GPT-2.
 from hf_primal import PrimalAttentionConfig
+from hf_primal.config import parse_layers
 from transformers import AutoConfig, AutoTokenizer, HfArgumentParser, PreTrainedConfig, PreTrainedModel
 
 LAYERS_HELP = (
@@ -62,15 +63,11 @@ class ModelArguments:
 
 
 def parse_primal_layers(value: str) -> Any:
-    """``"all"`` -> ``"all"``; ``"-1"`` -> ``[-1]``; ``"0,3"`` -> ``[0, 3]``; anything else is a ValueError."""
-    text = value.strip()
-    if text.lower() == "all":
-        return "all"
-    parts = [p.strip() for p in text.split(",")]
+    """`hf_primal.config.parse_layers` (the CLI's parser too), with errors naming ``--primal_layers``."""
     try:
-        return [int(p) for p in parts]
-    except ValueError:
-        raise ValueError(f"--primal_layers {value!r} is not allowed: {LAYERS_HELP}.") from None
+        return parse_layers(value)
+    except ValueError as error:
+        raise ValueError(f"--primal_{error}") from None
 
 
 def primal_config(args: ModelArguments, saved: Optional[Mapping[str, Any]] = None) -> PrimalAttentionConfig:

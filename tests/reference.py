@@ -11,9 +11,28 @@ def _normalize(v):
     return v / max(float(v.norm()), 1e-12)
 
 
+def reference_sample_ranks(L, p, rule="even"):
+    """Rank among the L valid tokens of the token each of the p slots holds (docs/method.md, "Sampling").
+
+    Written from the statement of each rule, not from hf_primal's formula: when L >= p (either rule), and always
+    for "legacy", slot j holds floor(j (L - 1) / (p - 1)); for "even" with L < p the slots are dealt out in order,
+    token r taking ceil((r + 1) p / L) - ceil(r p / L) consecutive slots.
+    """
+    if p == 1:
+        return [0]
+    if L >= p or rule == "legacy":
+        return [(j * (L - 1)) // (p - 1) for j in range(p)]
+    assert rule == "even", rule
+    ranks = []
+    for r in range(L):
+        ranks += [r] * (-(-(r + 1) * p // L) - (-(-r * p // L)))
+    assert len(ranks) == p
+    return ranks
+
+
 @torch.no_grad()
-def reference_noncausal(x, q, k, valid, We, Wr, head_map_w, head_map_b):
-    """x (B,N,C), q/k (B,H,N,d), valid (B,N) bool, We/Wr (H,p,s) -> y (B,H,N,d), e, r."""
+def reference_noncausal(x, q, k, valid, We, Wr, head_map_w, head_map_b, rule="even"):
+    """x (B,N,C), q/k (B,H,N,d), valid (B,N) bool, We/Wr (H,p,s) -> y (B,H,N,d), e, r (sampling `rule`)."""
     B, H, N, d = q.shape
     p, s = We.shape[1], We.shape[2]
     y = torch.zeros(B, H, N, d, dtype=torch.float64)
@@ -24,7 +43,7 @@ def reference_noncausal(x, q, k, valid, We, Wr, head_map_w, head_map_b):
         L = len(positions)
         if L == 0:
             continue
-        idx = [positions[(j * (L - 1)) // (p - 1)] if p > 1 else positions[0] for j in range(p)]
+        idx = [positions[rank] for rank in reference_sample_ranks(L, p, rule)]
         for h in range(H):
             Xs = torch.stack([x[b, i, h * d:(h + 1) * d] for i in idx]).double()  # (p, d)
             WeX = Xs.T @ We[h].double()  # (d, s)

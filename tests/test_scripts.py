@@ -8,6 +8,7 @@ import json
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -364,11 +365,31 @@ def test_parse_primal_layers():
             common.parse_primal_layers(bad)
 
 
+@pytest.mark.parametrize("text, expected", [
+    ("all", "all"), ("ALL", "all"), (" All ", "all"), ("-1", [-1]), ("0,3", [0, 3]), (" 0, 3 ", [0, 3]),
+    ("-2,-1", [-2, -1]), ("0,,3", None), ("", None), (",", None), ("1.5", None), ("last", None), ("0;3", None),
+])
+def test_cli_and_scripts_parse_layers_the_same(text, expected):
+    """One parser: the CLI's --layers and the scripts' --primal_layers accept and refuse the same strings."""
+    import argparse
+
+    from hf_primal.cli import _layers
+
+    common = _load_script("_common")
+    if expected is None:
+        with pytest.raises(ValueError, match=f"--primal_layers {re.escape(repr(text))} is not allowed: use \"all\""):
+            common.parse_primal_layers(text)
+        with pytest.raises(argparse.ArgumentTypeError, match=f"--layers {re.escape(repr(text))} is not allowed"):
+            _layers(text)
+    else:
+        assert common.parse_primal_layers(text) == expected and _layers(text) == expected
+
+
 def test_primal_flags_override_only_what_is_given():
     common = _load_script("_common")
     args = common.ModelArguments(config_name="x", low_rank=7)
-    saved = {"layers": [0], "low_rank": 3, "rank_multi": 4, "eta": 0.5, "ksvd_reduction": "batch"}
-    assert common.primal_config(args, saved).to_dict() == {**saved, "low_rank": 7}
+    saved = {"layers": [0], "low_rank": 3, "rank_multi": 4, "eta": 0.5, "ksvd_reduction": "batch", "sampling": "legacy"}
+    assert common.primal_config(args, saved).to_dict() == {**saved, "low_rank": 7}  # the saved rule is kept
     assert common.primal_config(args).to_dict() == {**hf_primal.PrimalAttentionConfig().to_dict(), "low_rank": 7}
 
 

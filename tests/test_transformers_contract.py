@@ -76,7 +76,9 @@ def _reference_noncausal_kernel(x, q, k, valid, samples):
     for b in range(batch):
         positions = [n for n in range(length) if bool(valid[b, n])]
         count = len(positions)
-        picked = [positions[(j * (count - 1)) // (samples - 1)] for j in range(samples)]
+        from tests.reference import reference_sample_ranks  # the "even" rule of a new config
+
+        picked = [positions[rank] for rank in reference_sample_ranks(count, samples)]
         rows = x[b, picked].double().view(samples, heads, dim)
         for h in range(heads):
             for i in positions:

@@ -1,0 +1,118 @@
+"""Sampling of the p tokens that build W_{e|X} (docs/method.md, "Sampling"): the "even" rule for short inputs, the
+"legacy" rule of hf_primal 0.1, parity of both with tests/reference.py, and configs saved before the field existed."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModel, BertModel
+
+from hf_primal import PrimalAttentionConfig
+from hf_primal.config import saved_config_dict
+from hf_primal.primal import ksvd_objective, sample_token_indices
+from tests.conftest import bert_config
+from tests.reference import reference_layer_J, reference_noncausal, reference_sample_ranks
+from tests.test_primal_math import D, H, _core, _qk
+
+
+def _padded(lengths, total, side):
+    valid = torch.zeros(len(lengths), total, dtype=torch.bool)
+    for b, length in enumerate(lengths):
+        if side == "right":
+            valid[b, :length] = True
+        else:
+            valid[b, total - length:] = True
+    return valid
+
+
+@pytest.mark.parametrize("p", [1, 2, 7, 10, 30])
+def test_even_rule_gives_every_valid_token_floor_or_ceil_slots(p):
+    lengths = list(range(1, 34))
+    total = 36
+    right = sample_token_indices(_padded(lengths, total, "right"), p)
+    left = sample_token_indices(_padded(lengths, total, "left"), p)
+    legacy = sample_token_indices(_padded(lengths, total, "right"), p, "legacy")
+    for b, length in enumerate(lengths):
+        ranks = right[b].tolist()  # right padding: position == rank
+        assert ranks == sorted(ranks) and all(0 <= r < length for r in ranks)
+        # Left padding picks the same tokens: the same ranks, shifted by the padding.
+        assert (left[b] - (total - length)).tolist() == ranks
+        counts = torch.bincount(right[b], minlength=length)[:length]
+        if length <= p:
+            assert int(counts.min()) == p // length and int(counts.max()) == -(-p // length), (length, counts)
+        else:  # L > p: unchanged, p distinct evenly spaced tokens from the first to the last
+            assert torch.equal(right[b], legacy[b])
+            assert len(set(ranks)) == p and (p == 1 or (ranks[0] == 0 and ranks[-1] == length - 1))
+        assert int(counts.sum()) == p
+
+
+def test_legacy_rule_is_the_old_one_and_differs_for_short_inputs():
+    # p = 10 slots, L = 4 tokens: old rule floor(j * 3 / 9) gives the last token one slot, the others three.
+    valid = _padded([4], 6, "right")
+    assert sample_token_indices(valid, 10, "legacy").tolist() == [[0, 0, 0, 1, 1, 1, 2, 2, 2, 3]]
+    assert sample_token_indices(valid, 10, "even").tolist() == [[0, 0, 0, 1, 1, 2, 2, 2, 3, 3]]
+    with pytest.raises(ValueError, match="sampling rule 'random' is not allowed: use one of \\['even', 'legacy'\\]"):
+        sample_token_indices(valid, 10, "random")
+
+
+@pytest.mark.parametrize("rule", ["even", "legacy"])
+@pytest.mark.parametrize("mask", [None, "right", "left"])
+def test_primal_core_matches_the_reference_under_both_rules(rule, mask):
+    batch, length, samples = 3, 5, 8  # every sequence shorter than p: the rules differ
+    core = _core(False, samples)
+    core.sampling = rule
+    q, k = _qk(batch, length)
+    x = torch.randn(batch, length, H * D, dtype=torch.float64)
+    valid = None if mask is None else _padded([5, 3, 1], length, mask)
+    y, terms = core.noncausal(q, k, x, valid)
+    full = torch.ones(batch, length, dtype=torch.bool) if valid is None else valid
+    y_ref, e_ref, r_ref = reference_noncausal(x, q, k, full, core.We, core.Wr, core.head_map.weight,
+                                              core.head_map.bias, rule=rule)
+    assert (y - y_ref).abs().max() < 1e-10
+    other, _, _ = reference_noncausal(x, q, k, full, core.We, core.Wr, core.head_map.weight, core.head_map.bias,
+                                      rule="legacy" if rule == "even" else "even")
+    assert (y - other).abs().max() > 1e-3  # the rules are told apart by these inputs
+    per_seq, _ = reference_layer_J(e_ref, r_ref, full, core.Lambda, core.We, core.Wr)
+    assert torch.allclose(ksvd_objective(terms, "sequence").double(), torch.tensor(per_seq, dtype=torch.float64), atol=1e-6)
+
+
+def test_reference_rule_counts():
+    # The reference's own statement of the rule, checked by hand on one case: 7 slots over 3 tokens -> 3, 2, 2.
+    assert reference_sample_ranks(3, 7, "even") == [0, 0, 0, 1, 1, 2, 2]
+    assert reference_sample_ranks(3, 7, "legacy") == [0, 0, 0, 1, 1, 1, 2]
+
+
+def test_new_configs_use_even_and_old_saved_configs_keep_legacy():
+    assert PrimalAttentionConfig().sampling == "even"
+    assert PrimalAttentionConfig.coerce({"layers": "all"}).sampling == "even"  # a dict a user writes
+    assert PrimalAttentionConfig().to_dict()["sampling"] == "even"  # always written
+    old = {"model_type": "primal_bert", "primal_attention": {"layers": [-1], "low_rank": 4, "rank_multi": 10,
+                                                             "eta": 0.1, "ksvd_reduction": "sequence"}}
+    assert saved_config_dict(old)["primal_attention"]["sampling"] == "legacy"
+    assert "sampling" not in old["primal_attention"]  # the caller's dict is left alone
+    new = {"primal_attention": {"layers": [-1], "sampling": "even"}}
+    assert saved_config_dict(new) == new
+    with pytest.raises(ValueError, match="PrimalAttentionConfig.sampling='uniform' is not allowed: use one of"):
+        PrimalAttentionConfig(sampling="uniform")
+
+
+def test_checkpoint_saved_without_the_field_loads_with_the_legacy_rule(tmp_path):
+    spec = {"layers": "all", "low_rank": 4, "rank_multi": 3}  # p = 12 > the 5 tokens below
+    model = BertModel(bert_config(primal_attention={**spec, "sampling": "legacy"})).eval()
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["primal_attention"]["sampling"] == "legacy"
+    del config["primal_attention"]["sampling"]  # as hf_primal 0.1 wrote it
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    ids = torch.randint(1, 120, (2, 5))
+    with torch.no_grad():
+        expected = model(input_ids=ids).last_hidden_state
+    loaded = AutoModel.from_pretrained(tmp_path).eval()
+    assert loaded.config.primal_attention["sampling"] == "legacy"
+    assert {layer.attention.self.primal.sampling for layer in loaded.encoder.layer} == {"legacy"}
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).last_hidden_state, expected)
+    # The same weights under the new rule compute something else on these short inputs.
+    even = AutoModel.from_pretrained(tmp_path, primal_attention={**spec, "sampling": "even"}).eval()
+    with torch.no_grad():
+        assert (even(input_ids=ids).last_hidden_state - expected).abs().max() > 1e-4
