@@ -248,6 +248,19 @@ def test_cache_already_holding_keys_at_a_primal_layer_is_refused():
             model(torch.randint(1, 120, (1, 1)), **cache_kw(cache), use_cache=True)
 
 
+def test_sliding_window_cache_layer_at_a_primal_layer_is_refused():
+    # Any KV layer kind other than dynamic / static (sliding window, quantized, ...) would keep keys a primal layer
+    # never writes: refuse it by name rather than decode with stale keys.
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    model = _gpt2([-1])
+    cache = DynamicCache(config=model.config)
+    cache.layers[1] = DynamicSlidingWindowLayer(sliding_window=8)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"layer 1 cannot use a DynamicCache whose layer is a "
+                                                          r"DynamicSlidingWindowLayer.*not a quantized / sliding"):
+        model(torch.randint(1, 120, (1, 3)), **cache_kw(cache), use_cache=True)
+
+
 # ------------------------------------------------------------------ benchmark script
 def test_benchmark_script_quick_mode(tmp_path, monkeypatch):
     cmd = [
