@@ -36,6 +36,8 @@ class Architecture:
         list_layers: base model -> [(module path relative to the base model, attention module)], one per layer.
         head_geometry: attention module -> (number of heads, head dimension).
         qk_names: the submodules that compute q and k (LoRA targets; fitted with ``convert(train_qk=True)``).
+        out_name: the output projection the primal forward applies inside the attention module (None: it lives
+            outside, as BERT's ``BertSelfOutput.dense``); kept from the stock layer.
         value_attr: the value projection that primal layers delete (None: kept, e.g. GPT-2's fused ``c_attn``).
         value_checkpoint_patterns: layer index -> regexes of checkpoint keys of that dropped value projection.
         max_tokens: config -> N_max, the longest input (p = min(N_max, s * m), docs/method.md "Non-causal layer").
@@ -52,6 +54,7 @@ class Architecture:
     list_layers: Callable[[nn.Module], list]
     head_geometry: Callable[[nn.Module], tuple]
     qk_names: tuple
+    out_name: Optional[str]
     value_attr: Optional[str]
     value_checkpoint_patterns: Callable[[int], list]
     max_tokens: Callable[[Any], int]

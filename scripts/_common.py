@@ -14,10 +14,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+from transformers import AutoConfig, AutoTokenizer, HfArgumentParser, PreTrainedConfig, PreTrainedModel
+
 # Importing hf_primal installs the hooks that make `primal_attention` a config option of BERT/ViT/GPT-2.
 from hf_primal import PrimalAttentionConfig
 from hf_primal.config import parse_layers
-from transformers import AutoConfig, AutoTokenizer, HfArgumentParser, PreTrainedConfig, PreTrainedModel
 
 LAYERS_HELP = (
     'which attention layers run Primal-Attention: "all", or comma-separated indices such as "-1" or "0,3" '

@@ -28,7 +28,7 @@ from transformers import (
 )
 
 import hf_primal
-from hf_primal.cli import build_parser, check_source, CLIError, main
+from hf_primal.cli import CLIError, build_parser, check_source, main
 from hf_primal.hub import REMOTE_CODE_FILES
 from tests.conftest import bert_config, gpt2_config, vit_config
 

@@ -218,36 +218,6 @@ def _fresh(code, cwd):
 _BLOCK = "import sys; sys.modules['hf_primal'] = None\n"
 
 
-@pytest.mark.parametrize("arch", ["bert", "vit", "gpt2"])
-def test_converted_folder_loads_without_hf_primal(tmp_path, arch):
-    torch.manual_seed(0)
-    model = convert(_stock(arch), {"layers": "all", "low_rank": 4, "rank_multi": 2}).eval()
-    batch = _batches(arch, 1)[0]
-    with torch.no_grad():
-        logits = model(**batch).logits
-    hf_primal.save_converted(model, tmp_path / "out")
-    files = set(os.listdir(tmp_path / "out"))
-    assert {"config.json", "model.safetensors", f"modeling_primal_{arch}.py", *REMOTE_CODE_FILES, "README.md"} <= files
-    config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert config["model_type"] == f"primal_{arch}" and config["primal_attention"]["low_rank"] == 4
-    assert config["auto_map"]["AutoConfig"].startswith(f"modeling_primal_{arch}.") and AUTO[arch].__name__ in config["auto_map"]
-    torch.save(batch, tmp_path / "batch.pt")
-    result = _fresh(
-        f"""
-        import torch, transformers
-        model = transformers.{AUTO[arch].__name__}.from_pretrained({str(tmp_path / 'out')!r}, trust_remote_code=True).eval()
-        with torch.no_grad():
-            torch.save(model(**torch.load({str(tmp_path / 'batch.pt')!r})).logits, {str(tmp_path / 'remote.pt')!r})
-        print(type(model).__name__)
-        """, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert (torch.load(tmp_path / "remote.pt") - logits).abs().max() == 0
-    # With the plugin installed, no remote code is needed.
-    again = AUTO[arch].from_pretrained(tmp_path / "out").eval()
-    with torch.no_grad():
-        assert (again(**batch).logits - logits).abs().max() == 0
-
-
 def test_without_plugin_or_trust_remote_code_loading_fails_loudly(tmp_path):
     model = convert(_stock("bert"), {"layers": [-1], "low_rank": 4})
     hf_primal.save_converted(model, tmp_path / "out")

@@ -73,7 +73,8 @@ def test_primal_core_matches_the_reference_under_both_rules(rule, mask):
                                       rule="legacy" if rule == "even" else "even")
     assert (y - other).abs().max() > 1e-3  # the rules are told apart by these inputs
     per_seq, _ = reference_layer_J(e_ref, r_ref, full, core.Lambda, core.We, core.Wr)
-    assert torch.allclose(ksvd_objective(terms, "sequence").double(), torch.tensor(per_seq, dtype=torch.float64), atol=1e-6)
+    expected_j = torch.tensor(per_seq, dtype=torch.float64)
+    assert torch.allclose(ksvd_objective(terms, "sequence").double(), expected_j, atol=1e-6)
 
 
 def test_reference_rule_counts():

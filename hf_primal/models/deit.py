@@ -29,6 +29,7 @@ ARCHITECTURE = Architecture(
     list_layers=lambda base: [(f"layers.{i}.attention", layer.attention) for i, layer in enumerate(base.layers)],
     head_geometry=lambda module: (module.num_attention_heads, module.head_dim),
     qk_names=("q_proj", "k_proj"),
+    out_name="o_proj",
     value_attr="v_proj",
     value_checkpoint_patterns=lambda i: [
         rf"layers\.{i}\.attention\.v_proj\.",

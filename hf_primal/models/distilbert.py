@@ -32,6 +32,7 @@ ARCHITECTURE = Architecture(
                               for i, block in enumerate(base.transformer.layer)],
     head_geometry=lambda module: (module.n_heads, module.attention_head_size),
     qk_names=("q_lin", "k_lin"),
+    out_name="out_lin",
     value_attr="v_lin",
     value_checkpoint_patterns=lambda i: [rf"transformer\.layer\.{i}\.attention\.v_lin\."],
     max_tokens=lambda config: config.max_position_embeddings,

@@ -48,6 +48,7 @@ ARCHITECTURE = Architecture(
     list_layers=lambda base: [(f"h.{i}.attn", block.attn) for i, block in enumerate(base.h)],
     head_geometry=lambda module: (module.num_heads, module.head_dim),
     qk_names=("c_attn",),
+    out_name="c_proj",
     value_attr=None,
     value_checkpoint_patterns=lambda i: [],
     max_tokens=lambda config: config.n_positions,

@@ -31,6 +31,7 @@ ARCHITECTURE = Architecture(
                               for i, layer in enumerate(base.encoder.layer)],
     head_geometry=lambda module: (module.num_attention_heads, module.attention_head_size),
     qk_names=("query", "key"),
+    out_name=None,
     value_attr="value",
     value_checkpoint_patterns=lambda i: [rf"encoder\.layer\.{i}\.attention\.self\.value\."],
     max_tokens=lambda config: config.max_position_embeddings - (config.pad_token_id or 0) - 1,
