@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from hf_primal.primal import PrimalCore, ksvd_objective
+from hf_primal.primal import SAMPLING_RULES, PrimalCore, ksvd_objective, sample_token_indices
 from tests.reference import reference_causal, reference_layer_J, reference_noncausal
 
 H, D, S = 3, 4, 5
@@ -45,6 +45,10 @@ CASES = {  # name: (batch, length, p, mask, head_major)
     "left-padding": (2, 9, 4, "left", False),
     "batch-over-loop-limit": (6, 8, 5, "right", False),
     "head-major-inputs": (2, 8, 5, "left", True),
+    # N < p: W_{e|X} from the weight rows summed per token (index_add) instead of the p gathered rows
+    "short-no-mask": (2, 5, 8, None, False),
+    "short-right-padding": (3, 6, 9, "right", False),
+    "short-left-padding-over-loop-limit": (6, 7, 11, "left", False),
 }
 
 
@@ -94,9 +98,9 @@ def test_causal_matches_reference_and_state_continues(mask):
     assert state.sum_q.untyped_storage().nbytes() == state.sum_q.numel() * 8  # its own storage, not a view of the sums
 
 
-def _gradcheck_inputs(causal, batch, head_major=False):
+def _gradcheck_inputs(causal, batch, head_major=False, samples=3):
     torch.manual_seed(1)
-    length, samples = 5, 3
+    length = 5
     core = _core(causal, 0 if causal else samples)
     q, k = _qk(batch, length, head_major)
     valid = torch.ones(batch, length, dtype=torch.bool)
@@ -116,9 +120,12 @@ def _gradcheck_inputs(causal, batch, head_major=False):
     return fn, leaves
 
 
-@pytest.mark.parametrize("causal,batch,head_major", [(False, 2, False), (False, 5, False), (False, 1, True), (True, 2, False)])
-def test_hand_written_backward_matches_finite_differences(causal, batch, head_major):
-    fn, leaves = _gradcheck_inputs(causal, batch, head_major)
+@pytest.mark.parametrize("causal,batch,head_major,samples", [
+    (False, 2, False, 3), (False, 5, False, 3), (False, 1, True, 3), (True, 2, False, 3),
+    (False, 2, False, 7),  # N = 5 < p = 7, padded: the per-token summed weights (index_add) path
+])
+def test_hand_written_backward_matches_finite_differences(causal, batch, head_major, samples):
+    fn, leaves = _gradcheck_inputs(causal, batch, head_major, samples)
     assert torch.autograd.gradcheck(fn, leaves, eps=1e-6, atol=1e-6, fast_mode=True)
 
 
@@ -225,3 +232,36 @@ def test_lambda_reaches_the_output_through_a_zero_tie():
     with torch.no_grad():
         y_plain, _ = core.noncausal(q, k, x, None)
     assert torch.equal(y.detach(), y_plain)
+
+
+@pytest.mark.parametrize("rule", SAMPLING_RULES)
+@pytest.mark.parametrize("mask", [None, "right"])
+def test_short_sequences_sum_weights_per_token_like_the_gathered_rows(rule, mask):
+    # N < p: the layer sums W_e / W_r rows per token instead of gathering p rows. Same y, terms and gradients as
+    # the direct formula X_s^T W_e on the gathered rows (built here with plain autograd ops), for both rules.
+    from hf_primal.primal import _sample_tokens
+
+    batch, length, samples = 3, 6, 10
+    core = _core(False, samples)
+    core.sampling = rule
+    q, k = _qk(batch, length)
+    x = torch.randn(batch, length, H * D, dtype=torch.float64, requires_grad=True)
+    valid = None if mask is None else _mask(batch, length, mask)
+    we_x, wr_x = core._sampled_weights(x, valid, torch.float64)
+    # The per-token sums rely on every rule giving slots in token order.
+    full_valid = torch.ones(batch, length, dtype=torch.bool) if valid is None else valid
+    assert torch.all(sample_token_indices(full_valid, samples, rule).diff(dim=1) >= 0)
+    sampled = _sample_tokens(x, valid, samples, rule).reshape(batch, samples, H, D)
+    we_ref = torch.einsum("bphd,hps->bhds", sampled, core.We)
+    wr_ref = torch.einsum("bphd,hps->bhds", sampled, core.Wr)
+    assert (we_x - we_ref).abs().max() < 1e-12 and (wr_x - wr_ref).abs().max() < 1e-12
+    g_e, g_r = torch.randn_like(we_ref), torch.randn_like(wr_ref)
+    got = torch.autograd.grad((we_x * g_e).sum() + (wr_x * g_r).sum(), (x, core.We, core.Wr))
+    want = torch.autograd.grad((we_ref * g_e).sum() + (wr_ref * g_r).sum(), (x, core.We, core.Wr))
+    for a, b in zip(got, want):
+        assert (a - b).abs().max() < 1e-12
+    y, _ = core.noncausal(q, k, x, valid)
+    full = torch.ones(batch, length, dtype=torch.bool) if valid is None else valid
+    y_ref, _, _ = reference_noncausal(x.detach(), q, k, full, core.We, core.Wr, core.head_map.weight,
+                                      core.head_map.bias, rule=rule)
+    assert (y - y_ref).abs().max() < 1e-10
