@@ -30,6 +30,12 @@ Latency - one worker holding the three models and a prefilled cache for every pa
   fresh random order, after one unrecorded warm-up round. Every pass starts from the same post-prefill
   cache through a shallow copy (cache layers replace their tensors on update, never write into them).
 
+* ``load1``: the 1-minute load average around the latency phase; above ``--threads``, other processes
+  competed for the cores and the latencies are inflated.
+
+Primal layers decode through `PrimalCore._decode_step` (no KSVD terms, no per-step prefix-sum buffers);
+stock layers through transformers' SDPA path with a `DynamicCache`.
+
 Outputs: a table on stdout (absolute numbers and ratios to stock SDPA at the same context), a CSV and a
 PNG plot in ``--out-dir``. Latencies depend on the machine and its load; run on an idle machine.
 
@@ -59,7 +65,7 @@ import torch
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 
 import hf_primal  # noqa: F401  (lets GPT2Config take `primal_attention`)
-from hf_primal.cache import cache_nbytes
+from hf_primal.cache import cache_kwarg, cache_nbytes
 
 VARIANTS: dict[str, Optional[dict]] = {
     "all-primal": {"layers": "all"},
@@ -153,7 +159,7 @@ def _branch(cache: DynamicCache) -> DynamicCache:
 def _decode(model: GPT2LMHeadModel, cache: DynamicCache, token: torch.Tensor, steps: int) -> float:
     start = time.perf_counter()
     for _ in range(steps):
-        logits = model(token, cache=cache, use_cache=True).logits
+        logits = model(token, **{cache_kwarg(): cache}, use_cache=True).logits
         token = logits[:, -1].argmax(-1, keepdim=True)
     return time.perf_counter() - start
 
@@ -163,7 +169,7 @@ def _prefill(model: GPT2LMHeadModel, prompt: torch.Tensor) -> tuple[DynamicCache
     start = time.perf_counter()
     # Only the last position's logits are needed, as in generate(); a full (context, vocab) logits tensor
     # would dominate the prefill memory of every variant alike.
-    logits = model(prompt, cache=cache, use_cache=True, logits_to_keep=1).logits
+    logits = model(prompt, **{cache_kwarg(): cache}, use_cache=True, logits_to_keep=1).logits
     elapsed = time.perf_counter() - start
     return cache, logits[:, -1].argmax(-1, keepdim=True), elapsed
 
@@ -431,16 +437,22 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
                 flush=True,
             )
     print(f"latency: one worker, {args.repeats} rounds over all pairs", flush=True)
+    load_before = os.getloadavg()[0]
     samples = run_isolated(
         measure_latency, args.contexts, shape, args.new_tokens, args.repeats, args.threads, args.seed
     )
+    # Above the thread count, other processes competed for the cores while latencies were timed.
+    load = max(load_before, os.getloadavg()[0])
     for row in rows:
         mine = samples[row["variant"], row["context"]]
         row["latency_ms"] = 1e3 * statistics.median(mine)
         row["latency_ms_min"] = 1e3 * min(mine)
         row["latency_ms_max"] = 1e3 * max(mine)
+        row["load1"] = load
     add_ratios(rows)
     report(rows, args.out_dir)
+    busy = " (above the thread count: other processes competed, latencies are inflated)" if load > args.threads else ""
+    print(f"1-minute load average while timing: {load:.2f}{busy}")
     print(f"total {time.perf_counter() - started:.0f} s")
     return rows
 
