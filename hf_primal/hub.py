@@ -169,6 +169,9 @@ def save_shareable(model: nn.Module, save: Callable[..., Any], save_directory: s
     config = model.config
     saved_class, saved_map = type(config), config.__dict__.get("auto_map", _UNSET)
     primal = shareable_class(type(model))
+    # A spec that reached the model through a class-level default (e.g. `BertConfig.primal_attention = {...}`) must
+    # be written and survive the class swap below (the shareable config class defaults it to None).
+    config.__dict__["primal_attention"] = config.primal_attention
     config.__class__ = architecture.shareable_config
     config.auto_map = hub_auto_map(architecture.name)
     try:

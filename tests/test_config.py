@@ -5,7 +5,7 @@ import re
 
 import pytest
 import torch
-from transformers import AlbertConfig, AlbertModel, AutoModel, BertModel
+from transformers import AlbertConfig, AlbertModel, AutoModel, BertConfig, BertModel
 
 from hf_primal import PrimalAttentionConfig, primal_layers
 from hf_primal.models import ARCHITECTURES
@@ -156,3 +156,18 @@ def test_from_config_other_architectures(make):
     model = AutoModel.from_config(make(primal_attention={"layers": "all", "low_rank": 3}))
     assert len(primal_layers(model)) == 2
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_class_level_default_spec_is_saved_and_reloaded(tmp_path, monkeypatch):
+    # transformers' own model tests (run with hf_primal on) set the spec as a BertConfig class default; saving must
+    # write it, although the shareable config class the folder is written with defaults it to None.
+    monkeypatch.setattr(BertConfig, "primal_attention", {"layers": "all", "low_rank": 4, "rank_multi": 2})
+    model = BertModel(bert_config()).eval()
+    model.save_pretrained(tmp_path)
+    monkeypatch.setattr(BertConfig, "primal_attention", None)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["primal_attention"]["low_rank"] == 4 and saved["model_type"] == "primal_bert"
+    again = AutoModel.from_pretrained(tmp_path).eval()
+    ids = torch.randint(1, 120, (2, 9))
+    assert len(primal_layers(again)) == 2
+    assert torch.equal(model(ids).last_hidden_state, again(ids).last_hidden_state)
