@@ -11,6 +11,7 @@ Imports only torch, transformers and flat hf_primal modules: copied next to shar
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -32,42 +33,62 @@ class Architecture:
         name: transformers' ``model_type`` ("bert"); the shareable form is saved as ``"primal_<name>"``.
         base_class: the architecture's ``*PreTrainedModel``; a model is of this architecture when it is an instance.
         attention_class: the stock attention module that becomes primal.
-        primal_class: its ``Primal*`` subclass (a forward that computes q/k and calls `layers.run_primal`).
-        list_layers: base model -> [(module path relative to the base model, attention module)], one per layer.
-        head_geometry: attention module -> (number of heads, head dimension).
+        primal_class: its ``Primal*`` subclass (usually `layers.PrimalProjectedAttention` first, no code of its own).
+        blocks: where the transformer blocks are in the base model (``"encoder.layer"``: ``base.encoder.layer[i]``).
+        attention: where the attention module is in a block (``"attention.self"``).
+        heads_attr, head_dim_attr: the attention module's attributes holding the head count and head dimension.
         qk_names: the submodules that compute q and k (LoRA targets; fitted with ``convert(train_qk=True)``).
         out_name: the output projection the primal forward applies inside the attention module (None: it lives
             outside, as BERT's ``BertSelfOutput.dense``); kept from the stock layer.
         value_attr: the value projection that primal layers delete (None: kept, e.g. GPT-2's fused ``c_attn``).
-        value_checkpoint_patterns: layer index -> regexes of checkpoint keys of that dropped value projection.
         max_tokens: config -> N_max, the longest input (p = min(N_max, s * m), docs/method.md "Non-causal layer").
         causal: config -> whether the attention is causal (decoders: prefix means and a generation cache).
         shareable_config: the ``Primal*Config`` subclass with model_type ``primal_<name>`` (hf_primal/shareable.py).
         shareable_models: stock model class -> its shareable ``Primal*`` subclass, for every head.
         lora_fan_in_fan_out: PEFT's flag for q/k modules that store their weights transposed (Conv1D).
+        legacy_value_keys: regexes (``{i}`` = layer index) of older checkpoint names of the value projection, which a
+            primal layer does not load either.
     """
 
     name: str
     base_class: type
     attention_class: type
     primal_class: type
-    list_layers: Callable[[nn.Module], list]
-    head_geometry: Callable[[nn.Module], tuple]
+    blocks: str
+    attention: str
+    heads_attr: str
+    head_dim_attr: str
     qk_names: tuple
     out_name: Optional[str]
     value_attr: Optional[str]
-    value_checkpoint_patterns: Callable[[int], list]
     max_tokens: Callable[[Any], int]
     causal: Callable[[Any], bool]
     shareable_config: type
     shareable_models: dict
     lora_fan_in_fan_out: bool = False
+    legacy_value_keys: tuple = ()
 
     def __post_init__(self) -> None:
-        # The shareable classes convert in their own post_init (also as remote code, without the registry), so each
-        # needs to know its architecture.
-        for model_class in self.shareable_models.values():
-            model_class._primal_architecture = self
+        # The shareable classes convert in their own post_init (also as remote code, without the registry), and the
+        # primal attention forward reads its q/k/out names here, so each class knows its architecture.
+        for cls in (self.primal_class, *self.shareable_models.values()):
+            cls._primal_architecture = self
+
+    def list_layers(self, base: nn.Module) -> list[tuple[str, nn.Module]]:
+        """[(path relative to the base model, attention module)], one per transformer block."""
+        return [(f"{self.blocks}.{i}.{self.attention}", block.get_submodule(self.attention))
+                for i, block in enumerate(base.get_submodule(self.blocks))]
+
+    def head_geometry(self, module: nn.Module) -> tuple[int, int]:
+        """(number of heads, head dimension) of an attention module."""
+        return int(getattr(module, self.heads_attr)), int(getattr(module, self.head_dim_attr))
+
+    def value_checkpoint_patterns(self, index: int) -> list[str]:
+        """Regexes of the checkpoint keys of layer `index`'s value projection (dropped by a primal layer)."""
+        if self.value_attr is None:
+            return []
+        own = re.escape(f"{self.blocks}.{index}.{self.attention}.{self.value_attr}.")
+        return [own, *(pattern.format(i=index) for pattern in self.legacy_value_keys)]
 
 
 def convert_layers(model: nn.Module, architecture: Architecture, primal_config: Any = None) -> list[str]:

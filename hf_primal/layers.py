@@ -229,6 +229,30 @@ def pop_cache(cache: Optional[Cache], kwargs: dict) -> Optional[Cache]:
     return cache if cache is not None else legacy
 
 
+class PrimalProjectedAttention:
+    """The forward of a primal attention module whose stock module projects q and k with two linears.
+
+    Every architecture but GPT-2 (fused ``c_attn``) uses it as the first base of its ``Primal*`` class: the q/k,
+    head-dimension and output-projection names come from the class's `conversion.Architecture` record
+    (``_primal_architecture``), so the architecture module holds no forward code of its own. Returns what the stock
+    module returns: (output, attention matrix or None).
+    """
+
+    _is_primal_attention = True
+    _primal_architecture = None  # set by conversion.Architecture
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                cache: Optional[Cache] = None, **kwargs) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        architecture = self._primal_architecture
+        query, key = (getattr(self, name) for name in architecture.qk_names)
+        head_dim = getattr(self, architecture.head_dim_attr)
+        q, k = split_heads(query(hidden_states), key(hidden_states), head_dim)
+        out, attention = run_primal(self, q, k, hidden_states, attention_mask, pop_cache(cache, kwargs), **kwargs)
+        if architecture.out_name is not None:
+            out = getattr(self, architecture.out_name)(out)
+        return out, attention
+
+
 def split_heads(q: torch.Tensor, k: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, L, H*d) projected queries and keys -> (B, H, L, d) each, the layout `run_primal` takes."""
     shape = (*q.shape[:-1], -1, head_dim)
