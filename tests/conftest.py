@@ -52,3 +52,38 @@ def gpt2_config(**kw):
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+# Tests that take 5 s or more on 2 CPU cores (fresh subprocesses, `accelerate launch`, torch.compile, the notebook,
+# the demo, benchmark and training scripts; measured with --durations), in one place: "file.py" marks a whole file,
+# "file.py::test" every parametrisation of one test. `python -m pytest -m "not slow" tests` runs the rest (README,
+# "Tests"); tests/test_markers.py checks that every entry names an existing test.
+SLOW = {
+    "test_benchmark_conversion.py",
+    "test_benchmark_peers.py",
+    "test_benchmark_script.py",
+    "test_compile.py",
+    "test_distributed.py",
+    "test_notebook.py",
+    "test_readme.py",
+    "test_architectures.py::test_remote_code_loads_every_head_without_hf_primal",
+    "test_architectures.py::test_save_reload_in_a_fresh_process_is_exact",
+    "test_cli_and_sharing.py::test_base_conversion_loads_with_every_head_without_plugin",
+    "test_cli_and_sharing.py::test_plain_save_pretrained_writes_the_shareable_form",
+    "test_cli_and_sharing.py::test_processors_load_without_prompt",
+    "test_convert_hub.py::test_demo_reduced_mode",
+    "test_generation.py::test_benchmark_script_quick_mode",
+    "test_models.py::test_models_without_option_are_stock_bit_for_bit",
+    "test_scripts.py::test_causal_lm_command_line_from_scratch_with_bert_tokenizer",
+    "test_transformers_contract.py::test_shareable_vit_loads_its_own_weights_with_and_without_the_plugin",
+}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: takes 5 s or more on 2 CPU cores; -m 'not slow' leaves it out")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SLOW or f"{item.path.name}::{item.originalname}" in SLOW:
+            item.add_marker(pytest.mark.slow)
