@@ -13,7 +13,9 @@ import sys
 import traceback
 from typing import NoReturn, Optional, Sequence
 
-from .config import parse_layers  # standard library only
+from .config import PrimalAttentionConfig, parse_layers  # standard library only
+
+_DEFAULTS = PrimalAttentionConfig()  # the one home of the defaults the flags below show and use
 
 
 class CLIError(Exception):
@@ -52,20 +54,30 @@ def build_parser() -> argparse.ArgumentParser:
                            "or demo-quick with --quick; $HF_PRIMAL_HOME replaces ~/.cache/hf_primal)")
     demo.add_argument("--quick", action="store_true", help="smoke test with reduced sizes (about a minute); its "
                                                            "figures say nothing about the method")
-    demo.add_argument("--low-rank", type=int, default=30, help="low_rank s of the primal layer (default 30)")
-    demo.add_argument("--rank-multi", type=int, default=10, help="rank_multi m of the primal layer (default 10)")
-    demo.add_argument("--eta", type=float, default=0.1, help="weight of the KSVD loss while fine-tuning (default 0.1)")
+    demo.add_argument("--low-rank", type=int, default=_DEFAULTS.low_rank,
+                      help=f"low_rank s of the primal layer (default {_DEFAULTS.low_rank})")
+    demo.add_argument("--rank-multi", type=int, default=_DEFAULTS.rank_multi,
+                      help=f"rank_multi m of the primal layer (default {_DEFAULTS.rank_multi})")
+    demo.add_argument("--eta", type=float, default=_DEFAULTS.eta,
+                      help=f"weight of the KSVD loss while fine-tuning (default {_DEFAULTS.eta})")
 
-    conv = sub.add_parser("convert", parents=[debug], help="convert a stock BERT / ViT / GPT-2 checkpoint to Primal-Attention",
-                          description="Convert a stock BERT / ViT / GPT-2 checkpoint to Primal-Attention and save a "
-                                      "shareable folder (weights, config, remote code, model card, tokenizer).")
+    conv = sub.add_parser("convert", parents=[debug],
+                          help="convert a stock checkpoint (BERT, RoBERTa, DistilBERT, ViT, DeiT, GPT-2) to "
+                               "Primal-Attention",
+                          description="Convert a stock checkpoint of a supported architecture "
+                                      "(hf_primal.SUPPORTED_ARCHITECTURES) to Primal-Attention and save a shareable "
+                                      "folder (weights, config, remote code, model card, tokenizer).")
     conv.add_argument("src", help="local model folder (or Hub id where the network allows)")
     conv.add_argument("out", help="output folder")
-    conv.add_argument("--layers", type=_layers, default=[-1], help="'all' or indices, e.g. -1 or 0,3 (default -1)")
-    conv.add_argument("--low-rank", type=int, default=30, help="low_rank s: rank of the primal projections (default 30)")
-    conv.add_argument("--rank-multi", type=int, default=10,
-                      help="rank_multi m: encoders sample s*m tokens for the data-dependent weights (default 10)")
-    conv.add_argument("--eta", type=float, default=0.1, help="KSVD loss weight stored in the config for training (default 0.1)")
+    conv.add_argument("--layers", type=_layers, default=_DEFAULTS.layers,
+                      help=f"'all' or indices, e.g. -1 or 0,3 (default {','.join(map(str, _DEFAULTS.layers))})")
+    conv.add_argument("--low-rank", type=int, default=_DEFAULTS.low_rank,
+                      help=f"low_rank s: rank of the primal projections (default {_DEFAULTS.low_rank})")
+    conv.add_argument("--rank-multi", type=int, default=_DEFAULTS.rank_multi,
+                      help=f"rank_multi m: encoders sample s*m tokens for the data-dependent weights "
+                           f"(default {_DEFAULTS.rank_multi})")
+    conv.add_argument("--eta", type=float, default=_DEFAULTS.eta,
+                      help=f"KSVD loss weight stored in the config for training (default {_DEFAULTS.eta})")
     conv.add_argument("--calibration", metavar="FILE",
                       help="unlabeled data to adapt on: a text file (one example per line) or a .pt file of pixel_values")
     conv.add_argument("--method", choices=["distill", "transfer"], default="distill",

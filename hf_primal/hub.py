@@ -6,7 +6,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 from torch import nn
 from transformers import AutoConfig
@@ -38,9 +38,6 @@ _AUTO_MAPPINGS = {
     "AutoModelForMaskedImageModeling": "MODEL_FOR_MASKED_IMAGE_MODELING_MAPPING_NAMES",
     "AutoModelForTextEncoding": "MODEL_FOR_TEXT_ENCODING_MAPPING_NAMES",
 }
-
-# Auto classes that also map a head class's base model; a head prefers any other match.
-_GENERIC_AUTO = ("AutoModel", "AutoModelForPreTraining", "AutoModelForTextEncoding")
 
 _UNSET = object()
 
@@ -96,16 +93,6 @@ def write_remote_code(save_directory: str | os.PathLike, arch: str) -> list[str]
     (folder / entry).write_text(re.sub(r"^from \.\.(\w+) import", r"from .\1 import", source, flags=re.MULTILINE),
                                 encoding="utf-8")
     return written + [entry]
-
-
-def auto_class_name(stock_class: type) -> Optional[str]:
-    """The most specific Auto class that maps to `stock_class` (e.g. AutoModelForSequenceClassification)."""
-    found = None
-    for auto_name, mapping_name in _AUTO_MAPPINGS.items():
-        mapping = getattr(modeling_auto, mapping_name, {})
-        if stock_class.__name__ in mapping.values():
-            found = auto_name if found in (None, *_GENERIC_AUTO) else found
-    return found
 
 
 def register_auto_classes() -> None:
