@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
+import transformers
 from torch import nn
 from transformers import AutoConfig
 from transformers.models.auto import modeling_auto
@@ -97,8 +98,6 @@ def write_remote_code(save_directory: str | os.PathLike, arch: str) -> list[str]
 
 def register_auto_classes() -> None:
     """Let the Auto classes resolve the "primal_*" model types to this package's classes (no remote code needed)."""
-    import transformers
-
     for architecture in ARCHITECTURES:
         config_class = architecture.shareable_config
         AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
