@@ -141,7 +141,7 @@ def attention_spectrum(
     """Per-layer normalised cumulative singular values of the attention matrices of `model` on one batch.
 
     Args:
-        model: a transformers BERT / ViT / GPT-2 model, with or without primal layers.
+        model: a transformers model of a registered architecture, with or without primal layers.
         inputs: keyword inputs of the model (``input_ids``/``attention_mask`` or ``pixel_values``); a 2D
             ``attention_mask`` restricts every matrix to the valid tokens of its sequence.
         use_sigma_squared: accumulate sigma^2 (explained variance) instead of sigma.

@@ -1,4 +1,5 @@
-"""`convert()`: turn a loaded stock BERT / ViT / GPT-2 into a primal model, then adapt it to the original.
+"""`convert()`: turn a loaded stock model (a registered architecture) into a primal model, then adapt it to the
+original.
 
 Primal-Attention has no value projection, so swapping a layer throws away what the softmax layer computed, and no
 fit of the converted layer alone can bring it back (docs/method.md, "Capacity of one layer"). Two ways to adapt,
@@ -129,7 +130,7 @@ def convert(
     """Make the layers chosen by `config` primal, in place, and return the model ready to save or share.
 
     Args:
-        model: a loaded stock BERT / ViT / GPT-2 model (any head).
+        model: a loaded stock model of a registered architecture (hf_primal.SUPPORTED_ARCHITECTURES), any head.
         config: a `PrimalAttentionConfig` or dict (default: ``PrimalAttentionConfig()``, the last layer).
         calibration_data: unlabeled model inputs to adapt on: a DataLoader or iterable of dict batches, or a
             `datasets.Dataset` with tokenised ``input_ids`` (or ``pixel_values``). Every fifth batch is held out to

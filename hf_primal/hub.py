@@ -24,7 +24,8 @@ REMOTE_CODE_FILES = (
 )
 _PACKAGE_DIR = Path(__file__).resolve().parent
 
-# Auto classes whose mapping names a stock BERT / ViT / GPT-2 class; the primal subclass is registered beside it.
+# Auto classes whose mapping names a stock class of a registered architecture; the primal subclass is registered
+# beside it.
 _AUTO_MAPPINGS = {
     "AutoModel": "MODEL_MAPPING_NAMES",
     "AutoModelForPreTraining": "MODEL_FOR_PRETRAINING_MAPPING_NAMES",

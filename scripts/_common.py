@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 
 from transformers import AutoConfig, AutoTokenizer, HfArgumentParser, PreTrainedConfig, PreTrainedModel
 
-# Importing hf_primal installs the hooks that make `primal_attention` a config option of BERT/ViT/GPT-2.
+# Importing hf_primal installs the hooks that make `primal_attention` a config option of every registered architecture.
 from hf_primal import PrimalAttentionConfig
 from hf_primal.config import parse_layers
 
