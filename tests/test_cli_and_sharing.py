@@ -328,7 +328,11 @@ def test_folder_without_config_and_file_are_refused(tmp_path):
     _one_error_line(_cli(["layers", "file.txt"], tmp_path), "file.txt: is a file")
 
 
-def test_hub_ids_are_not_mistaken_for_paths():
+def test_hub_ids_are_not_mistaken_for_paths(tmp_path, monkeypatch):
+    # Relative paths resolve inside an empty folder, so none of them exists whatever the machine has around.
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
     for hub_id in ("bert-base-uncased", "google/vit-base-patch16-224", "sentence-transformers/all-MiniLM-L6-v2"):
         check_source(hub_id)  # left to transformers (local cache, or the Hub where the network allows)
     for path in ("./x", "../x", "~/x", "/no/such/dir", "a/b/c", "x/"):
