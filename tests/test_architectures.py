@@ -5,6 +5,7 @@ trip, remote code without hf_primal, and cached generation where the architectur
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -246,6 +247,11 @@ def test_remote_code_loads_every_head_without_hf_primal(tmp_path):
             text = (folder / source).read_text()
             assert "from .." not in text, source
             assert {f"{m}.py" for m in re.findall(r"^\s*from \.(\w+) import", text, re.MULTILINE)} <= files, source
+    # A folder as hf_primal 0.1 wrote it (no "sampling" field) keeps the legacy rule under remote code too.
+    shutil.copytree(saved["bert"][0], tmp_path / "bert-0.1")
+    old = json.loads((tmp_path / "bert-0.1" / "config.json").read_text())
+    del old["primal_attention"]["sampling"]
+    (tmp_path / "bert-0.1" / "config.json").write_text(json.dumps(old))
     result = _child(f"""
         import json, sys, torch, transformers
         assert sys.modules["hf_primal"] is None
@@ -262,10 +268,14 @@ def test_remote_code_loads_every_head_without_hf_primal(tmp_path):
                 with torch.no_grad():
                     hidden = model.base_model(**batch).last_hidden_state
                 out[name][auto] = (type(model).__name__, type(model).__module__, layers, hidden)
+        old = transformers.AutoModel.from_pretrained({str(tmp_path / 'bert-0.1')!r}, trust_remote_code=True)
+        cores = {{m.sampling for m in old.modules() if hasattr(m, "sampling")}}
+        out["rules"] = (old.config.primal_attention["sampling"], cores)
         torch.save(out, {str(tmp_path / 'remote.pt')!r})
         """, tmp_path, plugin=False)
     assert result.returncode == 0, result.stderr[-3000:]
     remote = torch.load(tmp_path / "remote.pt")
+    assert remote.pop("rules") == ("legacy", {"legacy"})
     for name, (folder, batch, hidden) in saved.items():
         attention = BY_NAME[name].primal_class.__name__
         assert set(remote[name]) == set(hub_heads(name))
