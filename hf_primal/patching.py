@@ -28,7 +28,7 @@ from transformers import PreTrainedConfig
 
 from . import compat
 
-from .config import PrimalAttentionConfig
+from .config import PrimalAttentionConfig, saved_config_dict
 from .hub import save_shareable
 from .conversion import init_primal_core, prepare_primal_cache
 from .models import apply_primal_attention, drop_value_renamings
@@ -108,6 +108,8 @@ def install_hooks() -> None:
 
     def get_config_dict(cls, *args, **kwargs):
         config_dict, unused = original_get_config_dict(cls, *args, **kwargs)
+        # A checkpoint saved without `sampling` keeps the rule it was trained with, whichever class reads it.
+        config_dict = saved_config_dict(config_dict)
         # "primal_bert" read by BertConfig: same fields, and the hooks rebuild the primal layers from
         # primal_attention, so transformers' "model of type primal_bert ... type bert" warning would be noise.
         if cls.model_type and config_dict.get("model_type") == f"primal_{cls.model_type}":

@@ -108,11 +108,12 @@ def test_checkpoint_saved_without_the_field_loads_with_the_legacy_rule(tmp_path)
     ids = torch.randint(1, 120, (2, 5))
     with torch.no_grad():
         expected = model(input_ids=ids).last_hidden_state
-    loaded = AutoModel.from_pretrained(tmp_path).eval()
-    assert loaded.config.primal_attention["sampling"] == "legacy"
-    assert {layer.attention.self.primal.sampling for layer in loaded.encoder.layer} == {"legacy"}
-    with torch.no_grad():
-        assert torch.equal(loaded(input_ids=ids).last_hidden_state, expected)
+    # Through the Auto classes (shareable config) and through the stock class (patched get_config_dict) alike.
+    for loaded in (AutoModel.from_pretrained(tmp_path).eval(), BertModel.from_pretrained(tmp_path).eval()):
+        assert loaded.config.primal_attention["sampling"] == "legacy"
+        assert {layer.attention.self.primal.sampling for layer in loaded.encoder.layer} == {"legacy"}
+        with torch.no_grad():
+            assert torch.equal(loaded(input_ids=ids).last_hidden_state, expected)
     # The same weights under the new rule compute something else on these short inputs.
     even = AutoModel.from_pretrained(tmp_path, primal_attention={**spec, "sampling": "even"}).eval()
     with torch.no_grad():
