@@ -1,10 +1,10 @@
 """Making attention layers primal, in place: what an architecture module declares and the converter that reads it.
 
-Each file in hf_primal/models/ describes one transformers architecture with an `Architecture` record; the
-registry (hf_primal/models/__init__.py) collects them. `convert_layers` swaps the ``__class__`` of each selected
-stock attention module to the architecture's ``Primal*`` subclass, attaches a `PrimalCore` as ``.primal`` and
-deletes the value projection. q/k and output-projection parameters keep their stock names, so ordinary
-checkpoints load into them unchanged.
+Each file in hf_primal/models/ describes one transformers architecture with an `Architecture` record (a `Layout`,
+often a shared preset, plus classes and rules); the registry (hf_primal/models/__init__.py) collects them.
+`convert_layers` swaps the ``__class__`` of each selected stock attention module to the architecture's ``Primal*``
+subclass, attaches a `PrimalCore` as ``.primal`` and deletes the value projection. q/k and output-projection
+parameters keep their stock names, so ordinary checkpoints load into them unchanged.
 
 Imports only torch, transformers and flat hf_primal modules: copied next to shared checkpoints as remote code.
 """
@@ -26,14 +26,12 @@ from .primal import PrimalCore, num_sampled_tokens
 
 
 @dataclass(frozen=True)
-class Architecture:
-    """Everything hf_primal needs to know about one transformers architecture.
+class Layout:
+    """Where an architecture keeps its attention modules and what their parts are called.
+
+    Architectures that share a module layout share one of the presets below (`BERT_LAYOUT`, `VIT_LAYOUT`).
 
     Attributes:
-        name: transformers' ``model_type`` ("bert"); the shareable form is saved as ``"primal_<name>"``.
-        base_class: the architecture's ``*PreTrainedModel``; a model is of this architecture when it is an instance.
-        attention_class: the stock attention module that becomes primal.
-        primal_class: its ``Primal*`` subclass (usually `layers.PrimalProjectedAttention` first, no code of its own).
         blocks: where the transformer blocks are in the base model (``"encoder.layer"``: ``base.encoder.layer[i]``).
         attention: where the attention module is in a block (``"attention.self"``).
         heads_attr, head_dim_attr: the attention module's attributes holding the head count and head dimension.
@@ -41,19 +39,10 @@ class Architecture:
         out_name: the output projection the primal forward applies inside the attention module (None: it lives
             outside, as BERT's ``BertSelfOutput.dense``); kept from the stock layer.
         value_attr: the value projection that primal layers delete (None: kept, e.g. GPT-2's fused ``c_attn``).
-        max_tokens: config -> N_max, the longest input (p = min(N_max, s * m), docs/method.md "Non-causal layer").
-        causal: config -> whether the attention is causal (decoders: prefix means and a generation cache).
-        shareable_config: the ``Primal*Config`` subclass with model_type ``primal_<name>`` (hf_primal/shareable.py).
-        shareable_models: stock model class -> its shareable ``Primal*`` subclass, for every head.
-        lora_fan_in_fan_out: PEFT's flag for q/k modules that store their weights transposed (Conv1D).
         legacy_value_keys: regexes (``{i}`` = layer index) of older checkpoint names of the value projection, which a
             primal layer does not load either.
     """
 
-    name: str
-    base_class: type
-    attention_class: type
-    primal_class: type
     blocks: str
     attention: str
     heads_attr: str
@@ -61,12 +50,67 @@ class Architecture:
     qk_names: tuple
     out_name: Optional[str]
     value_attr: Optional[str]
-    max_tokens: Callable[[Any], int]
-    causal: Callable[[Any], bool]
+    legacy_value_keys: tuple = ()
+
+
+# BERT and RoBERTa: query / key / value linears in ``encoder.layer.N.attention.self``; the output projection
+# (``BertSelfOutput.dense``) is a sibling module, outside the attention module.
+BERT_LAYOUT = Layout(blocks="encoder.layer", attention="attention.self", heads_attr="num_attention_heads",
+                     head_dim_attr="attention_head_size", qk_names=("query", "key"), out_name=None, value_attr="value")
+# ViT and DeiT: q_proj / k_proj / v_proj / o_proj in ``layers.N.attention``. The legacy keys are checkpoints in
+# transformers' older ViT naming, and a key every ViT renaming rule but the value one rewrites (that rule is dropped
+# once every layer is primal, see models.drop_value_renamings).
+VIT_LAYOUT = Layout(blocks="layers", attention="attention", heads_attr="num_attention_heads", head_dim_attr="head_dim",
+                    qk_names=("q_proj", "k_proj"), out_name="o_proj", value_attr="v_proj",
+                    legacy_value_keys=(r"encoder\.layer\.{i}\.attention\.attention\.value\.",
+                                       r"layers\.{i}\.attention\.attention\.value\."))
+
+
+def position_table(config: Any) -> int:
+    """N_max of a text model whose position embeddings number its tokens from 0 (the `Architecture` default)."""
+    return config.max_position_embeddings
+
+
+def never_causal(config: Any) -> bool:
+    """Encoder-only attention (the `Architecture` default)."""
+    return False
+
+
+def causal_when_decoder(config: Any) -> bool:
+    """BERT-like models: causal when built as a decoder (``config.is_decoder``)."""
+    return bool(config.is_decoder)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Architecture(Layout):
+    """Everything hf_primal needs to know about one transformers architecture: its `Layout` and the fields below.
+
+    Built by `shareable.define_architecture`, which also defines the classes it names; only `max_tokens`, `causal`
+    and `lora_fan_in_fan_out` have defaults, so an architecture module states just where it differs.
+
+    Attributes:
+        name: transformers' ``model_type`` ("bert"); the shareable form is saved as ``"primal_<name>"``.
+        base_class: the architecture's ``*PreTrainedModel``; a model is of this architecture when it is an instance.
+        attention_class: the stock attention module that becomes primal.
+        primal_class: its ``Primal*`` subclass (usually `layers.PrimalProjectedAttention` first, no code of its own).
+        shareable_config: the ``Primal*Config`` subclass with model_type ``primal_<name>`` (hf_primal/shareable.py).
+        shareable_models: stock model class -> its shareable ``Primal*`` subclass, for every head.
+        max_tokens: config -> N_max, the longest input (p = min(N_max, s * m), docs/method.md "Non-causal layer");
+            by default the position table.
+        causal: config -> whether the attention is causal (decoders: prefix means and a generation cache); by
+            default never.
+        lora_fan_in_fan_out: PEFT's flag for q/k modules that store their weights transposed (Conv1D).
+    """
+
+    name: str
+    base_class: type
+    attention_class: type
+    primal_class: type
     shareable_config: type
     shareable_models: dict
+    max_tokens: Callable[[Any], int] = position_table
+    causal: Callable[[Any], bool] = never_causal
     lora_fan_in_fan_out: bool = False
-    legacy_value_keys: tuple = ()
 
     def __post_init__(self) -> None:
         # The shareable classes convert in their own post_init (also as remote code, without the registry), and the

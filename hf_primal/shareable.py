@@ -3,8 +3,8 @@
 They carry their own model_type (``"primal_bert"``, ...). A saved folder's config.json has an ``auto_map`` to them,
 so ``AutoModel*.from_pretrained(folder, trust_remote_code=True)`` rebuilds the primal layers where hf_primal is not
 installed, and plain Auto loading without the plugin or trust_remote_code fails loudly (unknown model type) instead
-of producing a stock model with missing weights. Each architecture module (hf_primal/models/) makes its classes
-with `shareable_classes`.
+of producing a stock model with missing weights. Each architecture module (hf_primal/models/) makes its classes,
+its primal attention class and its `conversion.Architecture` record with one `define_architecture` call.
 
 Imports only torch, transformers and flat hf_primal modules: copied next to shared checkpoints as remote code.
 """
@@ -12,12 +12,14 @@ Imports only torch, transformers and flat hf_primal modules: copied next to shar
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from types import ModuleType
 from typing import Any, Optional
 
 from .config import saved_config_dict
-from .conversion import convert_layers, init_primal_core, prepare_primal_cache
+from .conversion import Architecture, Layout, convert_layers, init_primal_core, prepare_primal_cache
+from .layers import PrimalProjectedAttention
 from .model_card import model_card
 
 
@@ -107,3 +109,38 @@ def shareable_classes(
                              {"config_class": config, "__module__": module})
     namespace.update({cls.__name__: cls for cls in (config, *models.values())})
     return config, models
+
+
+def define_architecture(namespace: dict, base_class: type, attention_class: type, layout: Layout,
+                        primal_class: Optional[type] = None, **record: Any) -> Architecture:
+    """Define one architecture's primal classes in `namespace` and return its `Architecture` record.
+
+    Args:
+        namespace: the architecture module's ``globals()``. ``Primal<attention class>``, ``Primal<Config>`` and the
+            shareable model classes are defined there under their names, so that pickle and an ``auto_map`` entry
+            such as ``"modeling_primal_bert.PrimalBertModel"`` (the module copied as remote code) find them.
+        base_class: the architecture's ``*PreTrainedModel``. Its ``config_class`` gives the name (``model_type``)
+            and the config to subclass; its module, the model classes that get shareable twins (`shareable_classes`).
+        attention_class: the stock attention module that becomes primal.
+        layout: where the attention modules are and what their projections are called (a `conversion` preset when
+            the architecture shares one).
+        primal_class: a subclass of `attention_class` with a forward of its own (GPT-2's fused ``c_attn``). By
+            default ``Primal<attention class>``, with `layers.PrimalProjectedAttention`'s shared forward first.
+        **record: the `Architecture` fields that have defaults (``max_tokens``, ``causal``,
+            ``lora_fan_in_fan_out``), where the architecture differs from them.
+    """
+    module = namespace["__name__"]
+    if primal_class is None:
+        name = f"Primal{attention_class.__name__}"
+        doc = f"``{attention_class.__name__}`` computed by Primal-Attention (`PrimalProjectedAttention`'s forward)."
+        primal_class = type(name, (PrimalProjectedAttention, attention_class),
+                            {"__module__": module, "__qualname__": name, "__doc__": doc})
+        namespace[name] = primal_class
+    config_class = base_class.config_class
+    config, models = shareable_classes(namespace, config_class.model_type, config_class,
+                                       sys.modules[base_class.__module__], base_class)
+    return Architecture(
+        **{field: getattr(layout, field) for field in Layout.__dataclass_fields__},
+        name=config_class.model_type, base_class=base_class, attention_class=attention_class,
+        primal_class=primal_class, shareable_config=config, shareable_models=models, **record,
+    )

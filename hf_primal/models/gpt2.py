@@ -2,12 +2,11 @@
 
 import torch
 from transformers.models.gpt2 import modeling_gpt2
-from transformers.models.gpt2.configuration_gpt2 import GPT2Config
 from transformers.pytorch_utils import Conv1D
 
-from ..conversion import Architecture
+from ..conversion import Layout
 from ..layers import pop_cache, run_primal, split_heads
-from ..shareable import shareable_classes
+from ..shareable import define_architecture
 
 
 class PrimalGPT2Attention(modeling_gpt2.GPT2Attention):
@@ -38,23 +37,11 @@ class PrimalGPT2Attention(modeling_gpt2.GPT2Attention):
         return self.resid_dropout(self.c_proj(out)), attention
 
 
-CONFIG, MODELS = shareable_classes(globals(), "gpt2", GPT2Config, modeling_gpt2, modeling_gpt2.GPT2PreTrainedModel)
-
-ARCHITECTURE = Architecture(
-    name="gpt2",
-    base_class=modeling_gpt2.GPT2PreTrainedModel,
-    attention_class=modeling_gpt2.GPT2Attention,
-    primal_class=PrimalGPT2Attention,
-    blocks="h",
-    attention="attn",
-    heads_attr="num_heads",
-    head_dim_attr="head_dim",
-    qk_names=("c_attn",),
-    out_name="c_proj",
-    value_attr=None,  # the value third of c_attn stays (see PrimalGPT2Attention)
-    max_tokens=lambda config: config.n_positions,
-    causal=lambda config: True,
-    shareable_config=CONFIG,
-    shareable_models=MODELS,
+ARCHITECTURE = define_architecture(
+    globals(), modeling_gpt2.GPT2PreTrainedModel, modeling_gpt2.GPT2Attention,
+    # value_attr None: the value third of c_attn stays (see PrimalGPT2Attention).
+    Layout(blocks="h", attention="attn", heads_attr="num_heads", head_dim_attr="head_dim", qk_names=("c_attn",),
+           out_name="c_proj", value_attr=None),
+    primal_class=PrimalGPT2Attention, max_tokens=lambda config: config.n_positions, causal=lambda config: True,
     lora_fan_in_fan_out=True,  # Conv1D stores its weight transposed
 )
