@@ -1,6 +1,7 @@
 """hf_primal: Primal-Attention (Chen et al., NeurIPS 2023) for HuggingFace Transformers.
 
-``import hf_primal`` lets BERT, ViT, GPT-2, RoBERTa, DistilBERT and DeiT models take a ``primal_attention`` config option::
+``import hf_primal`` lets BERT, ViT, GPT-2, RoBERTa, DistilBERT and DeiT models take a ``primal_attention`` config
+option::
 
     import hf_primal
     from transformers import AutoModelForSequenceClassification
@@ -46,11 +47,11 @@ def _import_all() -> None:
     check_transformers()
     from .analysis import LayerSpectrum, attention_spectrum, plot_attention_spectrum
     from .config import PrimalAttentionConfig
+    from .conversion import primal_layers
     from .convert import convert, text_batches
     from .hub import enable_remote_code, register_auto_classes, save_converted
     from .lora import lora_config
     from .loss import clear_ksvd_terms, ksvd_loss
-    from .conversion import primal_layers
     from .models import SUPPORTED_ARCHITECTURES, apply_primal_attention
     from .patching import install_hooks
     from .primal import KSVDTerms, PrimalCore

@@ -1,4 +1,6 @@
-"""Singular-value spectrum of each layer's attention (docs/method.md, "Attention kernel and spectrum", the paper's Figure 1).
+"""Singular-value spectrum of each layer's attention.
+
+See docs/method.md, "Attention kernel and spectrum", and the paper's Figure 1.
 
 For a model and one batch, `attention_spectrum` returns per layer the normalised cumulative singular values
 c_k = sum_{i<=k} sigma_i / sum_i sigma_i (or with sigma^2) of every (sequence, head) attention matrix,
@@ -82,7 +84,9 @@ def cumulative_spectrum(
 ) -> torch.Tensor:
     """(..., L, L) matrices -> (..., length or L) normalised cumulative singular values c_k (float64)."""
     sigma = torch.linalg.svdvals(matrices.double())
-    return cumulative_from_singular_values(sigma, length if length is not None else matrices.shape[-1], use_sigma_squared)
+    return cumulative_from_singular_values(
+        sigma, length if length is not None else matrices.shape[-1], use_sigma_squared
+    )
 
 
 def _low_rank_spectrum(
@@ -105,8 +109,12 @@ def _primal_curves(
     layer_valid = captured["valid"] if captured["valid"] is not None else valid[:, -tokens:]
     if core.causal:
         state = captured["state"]
-        q_hat = prefix_mean_features(q, layer_valid, None if state is None else state.sum_q, None if state is None else state.count)
-        k_hat = prefix_mean_features(k, layer_valid, None if state is None else state.sum_k, None if state is None else state.count)
+        q_hat = prefix_mean_features(
+            q, layer_valid, None if state is None else state.sum_q, None if state is None else state.count
+        )
+        k_hat = prefix_mean_features(
+            k, layer_valid, None if state is None else state.sum_k, None if state is None else state.count
+        )
         kind, cores = PRIMAL_CAUSAL, None
     else:
         q_hat, k_hat = F.normalize(q, dim=-1, eps=NORM_EPS), F.normalize(k, dim=-1, eps=NORM_EPS)
@@ -181,7 +189,9 @@ def attention_spectrum(
         model.train(was_training)
     attentions = getattr(outputs, "attentions", None)
     if attentions is None:
-        raise ValueError(f"{type(model).__name__} returned no attentions; attention_spectrum needs output_attentions support.")
+        raise ValueError(
+            f"{type(model).__name__} returned no attentions; attention_spectrum needs output_attentions support."
+        )
     mask = inputs.get("attention_mask")
     spectra = []
     for layer, probs in enumerate(attentions):
@@ -191,7 +201,9 @@ def attention_spectrum(
         else:
             valid = torch.ones(probs.shape[0], length, dtype=torch.bool, device=probs.device)
         if layer in captured:  # primal: the low-rank factors of the kernel it returned, captured on the way
-            kind, curves = _primal_curves(captured[layer], cores[layer], valid, length, use_sigma_squared, primal_kernel)
+            kind, curves = _primal_curves(
+                captured[layer], cores[layer], valid, length, use_sigma_squared, primal_kernel
+            )
         else:
             kind, curves = SOFTMAX, _softmax_curves(probs, valid, length, use_sigma_squared)
         spectra.append(LayerSpectrum(layer, kind, curves))
@@ -244,7 +256,8 @@ def plot_attention_spectrum(
             limit = curves.shape[1] if max_index is None else min(max_index, curves.shape[1])
             mean, std = curves.mean(0)[:limit], curves.std(0, correction=0)[:limit]
             xs = range(limit)
-            ax.plot(xs, mean, color=color, label=f"{label} L{group[0]}-{group[-1]}" if len(group) > 1 else f"{label} L{group[0]}")
+            group_label = f"L{group[0]}-{group[-1]}" if len(group) > 1 else f"L{group[0]}"
+            ax.plot(xs, mean, color=color, label=f"{label} {group_label}")
             ax.fill_between(xs, (mean - std).clamp(min=0), (mean + std).clamp(max=1), color=color, alpha=0.2)
             if panel == len(groups) - 1 and last in group and len(group) > 1:
                 lc = layers[last].curves

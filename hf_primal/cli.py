@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--eta", type=float, default=_DEFAULTS.eta,
                       help=f"KSVD loss weight stored in the config for training (default {_DEFAULTS.eta})")
     conv.add_argument("--calibration", metavar="FILE",
-                      help="unlabeled data to adapt on: a text file (one example per line) or a .pt file of pixel_values")
+                      help="unlabeled data to adapt on: a text file (one example per line) "
+                           "or a .pt file of pixel_values")
     conv.add_argument("--method", choices=["distill", "transfer"], default="distill",
                       help="with --calibration: distil the whole model from the original (distill, default, "
                            "recommended) or fit each converted block alone (transfer)")
@@ -166,7 +167,7 @@ def _calibration_batches(path: str, processor, max_length: int, batch_size: int 
     if path.endswith(".pt"):
         pixels = torch.load(path)
         return [{"pixel_values": pixels[i:i + batch_size]} for i in range(0, len(pixels), batch_size)]
-    if processor is None or not hasattr(processor, "__call__") or not hasattr(processor, "pad_token"):
+    if processor is None or not callable(processor) or not hasattr(processor, "pad_token"):
         raise CLIError(f"--calibration {path}: a text file needs a tokenizer saved in SRC")
     if processor.pad_token is None:
         processor.pad_token = processor.eos_token
@@ -189,7 +190,8 @@ def push_folder(folder: str, repo_id: str) -> None:
         for root, _, names in os.walk(folder)
         for name in sorted(names)
     ]
-    api.create_commit(repo_id=repo_id, operations=operations, commit_message="Upload Primal-Attention model (hf_primal)")
+    api.create_commit(repo_id=repo_id, operations=operations,
+                      commit_message="Upload Primal-Attention model (hf_primal)")
 
 
 def _plugin():
@@ -213,7 +215,9 @@ def _convert(args: argparse.Namespace) -> int:
     spec = hf_primal.PrimalAttentionConfig(layers=args.layers, low_rank=args.low_rank, rank_multi=args.rank_multi,
                                            eta=args.eta)
     model, processor = _load_for_conversion(args.src)
-    data = _calibration_batches(args.calibration, processor, args.max_length, args.batch_size) if args.calibration else None
+    data = None
+    if args.calibration:
+        data = _calibration_batches(args.calibration, processor, args.max_length, args.batch_size)
     model = hf_primal.convert(model, spec, calibration_data=data, method=args.method, steps=args.steps,
                               learning_rate=args.learning_rate, target=args.calibration_target)
     if data is not None:

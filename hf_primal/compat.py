@@ -45,7 +45,9 @@ _CU = "transformers.cache_utils"
 
 INTERNALS: tuple[Internal, ...] = (
     # Patched by patching.install_hooks.
-    Internal(f"{_PC}.__post_init__", "validate and normalise `primal_attention` when a config is created", patched=True),
+    Internal(
+        f"{_PC}.__post_init__", "validate and normalise `primal_attention` when a config is created", patched=True
+    ),
     Internal(f"{_PC}.to_dict", "serialise `primal_attention` as a plain dict", patched=True),
     Internal(f"{_PC}.get_config_dict", "read a saved primal_<arch> folder with the stock config class", patched=True),
     Internal(f"{_PM}.post_init", "convert the chosen layers before weights are initialised and loaded", patched=True),

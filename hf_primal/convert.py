@@ -36,7 +36,9 @@ def _batches(data: Any, batch_size: int) -> Iterable[Mapping[str, torch.Tensor]]
     except ImportError:  # pragma: no cover - datasets is a dependency
         Dataset = ()
     if isinstance(data, Dataset):
-        columns = [c for c in ("input_ids", "attention_mask", "token_type_ids", "pixel_values") if c in data.column_names]
+        columns = [
+            c for c in ("input_ids", "attention_mask", "token_type_ids", "pixel_values") if c in data.column_names
+        ]
         if not columns:
             raise ValueError(
                 f"calibration_data: the dataset has columns {data.column_names}; expected tokenised model inputs "
@@ -84,7 +86,9 @@ def _pad_collate(rows: list[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tens
     return out
 
 
-def _relative_error(pred: torch.Tensor, target: torch.Tensor, valid: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def _relative_error(
+    pred: torch.Tensor, target: torch.Tensor, valid: Optional[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
     diff = (pred - target).float().square().sum(-1)
     ref = target.float().square().sum(-1)
     if valid is not None:
@@ -199,7 +203,8 @@ def convert(
 
     model.config.primal_attention = spec.to_dict()
     ignore = apply_primal_attention(model)
-    model._keys_to_ignore_on_load_unexpected = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()) | set(ignore)
+    already_ignored = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+    model._keys_to_ignore_on_load_unexpected = already_ignored | set(ignore)
     # PrimalCore initialised W_e, W_r and Lambda when it was built (docs/method.md, "Initialisation"); its head map
     # gets the model's own Linear initialisation, as the load-time hook `_init_weights` would give it.
     std = getattr(model.config, "initializer_range", 0.02)
@@ -328,8 +333,9 @@ def _call(module, call) -> torch.Tensor:
 def _fit_layer(module, record, steps, learning_rate, qk_names, progress, name) -> tuple[float, float]:
     """Fit one primal layer to its teacher's outputs; returns the relative error before and after.
 
-    Every fifth recorded batch, counting from the last, is held out (when there are at least two): the errors are measured on it and the
-    parameters kept are those with the lowest held-out error, so a small calibration set cannot be over-fitted.
+    Every fifth recorded batch, counting from the last, is held out (when there are at least two): the errors are
+    measured on it and the parameters kept are those with the lowest held-out error, so a small calibration set
+    cannot be over-fitted.
     """
     attention = next(m for m in module.modules() if getattr(m, "_is_primal_attention", False))
     if attention is module:

@@ -148,7 +148,8 @@ def run_demo(
     encoder.primal_conversion_report["base_model"] = MINILM_HUB_ID
     distilled = encoder.primal_conversion_report["distillation"]
     cos_distilled = _cosine(reference, encoder, tokenizer, heldout)
-    print(f"{label}[3/5] distilled from the original on {len(texts)} unlabeled sentences ({distilled['seconds']:.0f} s): "
+    print(f"{label}[3/5] distilled from the original on {len(texts)} unlabeled sentences "
+          f"({distilled['seconds']:.0f} s): "
           f"mean cosine = {cos_distilled:.4f} (plain conversion {cos_naive:.4f})")
 
     rng = random.Random(seed)

@@ -86,7 +86,9 @@ def _last_hidden(outputs: Any) -> torch.Tensor:
     if hidden is None:
         states = getattr(outputs, "hidden_states", None)
         if not states:
-            raise ValueError("distillation needs the final hidden states: call the model with output_hidden_states=True")
+            raise ValueError(
+                "distillation needs the final hidden states: call the model with output_hidden_states=True"
+            )
         hidden = states[-1]
     return hidden
 
@@ -248,7 +250,9 @@ def distill(
     for p in teacher.parameters():
         p.requires_grad_(False)
 
-    named = [(n, p) for n, p in student.named_parameters() if p.dtype.is_floating_point and (train_all or p.requires_grad)]
+    named = [
+        (n, p) for n, p in student.named_parameters() if p.dtype.is_floating_point and (train_all or p.requires_grad)
+    ]
     if not named:
         raise ValueError("distill: the student has no trainable parameter (train_all=False and nothing requires grad).")
     for _, p in named:

@@ -25,7 +25,8 @@ def lora_config(model: nn.Module, r: int = 8, lora_alpha: int = 16, lora_dropout
     architecture = find_architecture(model)
     if not any(getattr(m, "_is_primal_attention", False) for m in model.modules()):
         raise ValueError(
-            f"lora_config: {type(model).__name__} has no primal attention layer; build it with primal_attention=... first."
+            f"lora_config: {type(model).__name__} has no primal attention layer; "
+            "build it with primal_attention=... first."
         )
     modules_to_save = list(kwargs.pop("modules_to_save", None) or [])
     if "primal" not in modules_to_save:

@@ -51,14 +51,17 @@ def model_card(model: Any) -> str:
         "",
         f"- base model: `{base}`" if base else "- base model: a local checkpoint",
         f"- primal layers ({len(layers)}): " + ", ".join(f"`{n}`" for n in layers),
-        f"- low_rank s = {spec.low_rank}, rank_multi m = {spec.rank_multi}, eta = {spec.eta}, KSVD reduction = {spec.ksvd_reduction}",
+        f"- low_rank s = {spec.low_rank}, rank_multi m = {spec.rank_multi}, eta = {spec.eta}, "
+        f"KSVD reduction = {spec.ksvd_reduction}",
     ]
     if report:
         lines += ["", "## Conversion", "", f"- method: {report.get('method', 'none')}",
                   f"- calibration data: {report.get('calibration', 'none')}"]
         distilled = report.get("distillation")
         if distilled:
-            lines.append(f"- held-out distillation loss: {distilled['loss_before']:.4f} -> {distilled['loss_after']:.4f}")
+            lines.append(
+                f"- held-out distillation loss: {distilled['loss_before']:.4f} -> {distilled['loss_after']:.4f}"
+            )
             if distilled.get("cosine_after") is not None:
                 lines.append("- held-out mean-pooled embedding cosine vs the original: "
                              f"{distilled['cosine_before']:.4f} -> {distilled['cosine_after']:.4f}")

@@ -27,10 +27,9 @@ import sys
 from transformers import PreTrainedConfig
 
 from . import compat
-
 from .config import PrimalAttentionConfig, saved_config_dict
-from .hub import save_shareable
 from .conversion import init_primal_core, prepare_primal_cache
+from .hub import save_shareable
 from .models import apply_primal_attention, drop_value_renamings
 from .shareable import PrimalModelMixin
 
@@ -154,4 +153,4 @@ def _wrap_conversion_mapping() -> None:
     for name, module in list(sys.modules.items()):
         if (name == "transformers" or name.startswith("transformers.")) and \
                 getattr(module, "get_model_conversion_mapping", None) is original:
-            setattr(module, "get_model_conversion_mapping", get_model_conversion_mapping)
+            module.get_model_conversion_mapping = get_model_conversion_mapping

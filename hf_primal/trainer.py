@@ -110,7 +110,9 @@ class PrimalTrainer(Trainer):
             raise ValueError(
                 f"PrimalTrainer: ksvd_reduction={self.ksvd_reduction!r} is not allowed: use one of {list(REDUCTIONS)}."
             )
-        checkpointing = getattr(self.args, "activation_checkpointing", None) or getattr(self.args, "gradient_checkpointing", False)
+        checkpointing = getattr(self.args, "activation_checkpointing", None) or getattr(
+            self.args, "gradient_checkpointing", False
+        )
         gc_kwargs = (
             getattr(self.args, "activation_checkpointing_kwargs", None)
             or getattr(self.args, "gradient_checkpointing_kwargs", None)
@@ -118,9 +120,9 @@ class PrimalTrainer(Trainer):
         )
         if checkpointing and gc_kwargs.get("use_reentrant", False):
             raise ValueError(
-                "PrimalTrainer: activation (gradient) checkpointing with {'use_reentrant': True} is not supported: reentrant "
-                "checkpointing runs the forward under no_grad, so the KSVD term would silently get no gradient. "
-                "Use the default non-reentrant checkpointing."
+                "PrimalTrainer: activation (gradient) checkpointing with {'use_reentrant': True} is not supported: "
+                "reentrant checkpointing runs the forward under no_grad, so the KSVD term would silently get no "
+                "gradient. Use the default non-reentrant checkpointing."
             )
         base = inner.base_model.model if hasattr(inner, "base_model") and hasattr(inner.base_model, "model") else inner
         if self.loss_is_scaled_for_ga is None and not _loss_uses_num_items(base):
@@ -161,13 +163,17 @@ class PrimalTrainer(Trainer):
                 positive and value == 0
             ):
                 allowed = "> 0" if positive else ">= 0"
-                raise ValueError(f"PrimalTrainer: {name}={value!r} is not allowed: it must be a finite number {allowed}.")
+                raise ValueError(
+                    f"PrimalTrainer: {name}={value!r} is not allowed: it must be a finite number {allowed}."
+                )
         self.distill_weight = float(weight)
         self.distill_temperature = float(temperature)
         self.distill_target = resolve_target(self.model, target)
         check_compatible(self.model, teacher, self.distill_target)
         if teacher is self.model or any(p is q for p in teacher.parameters() for q in self.model.parameters()):
-            raise ValueError("PrimalTrainer: the teacher shares parameters with the model; pass a separate (frozen) copy.")
+            raise ValueError(
+                "PrimalTrainer: the teacher shares parameters with the model; pass a separate (frozen) copy."
+            )
         # Not a submodule of the model: Trainer neither optimises nor saves it.
         teacher.to(self.args.device)
         teacher.eval()
@@ -194,10 +200,11 @@ class PrimalTrainer(Trainer):
             optimizer_cls, optimizer_kwargs = self.optimizer_cls_and_kwargs
         else:
             optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
-        if any(key in optimizer_kwargs for key in ("params", "model", "optimizer_dict")) or not isinstance(optimizer_cls, type):
+        own_groups = any(key in optimizer_kwargs for key in ("params", "model", "optimizer_dict"))
+        if own_groups or not isinstance(optimizer_cls, type):
             raise ValueError(
-                f"PrimalTrainer: optim={self.args.optim!r} builds its own parameter groups, so the primal learning rate "
-                "cannot be applied; pass optimizers=(...) or override create_optimizer."
+                f"PrimalTrainer: optim={self.args.optim!r} builds its own parameter groups, "
+                "so the primal learning rate cannot be applied; pass optimizers=(...) or override create_optimizer."
             )
         self.optimizer = optimizer_cls([g for g in groups if g["params"]], **optimizer_kwargs)
         return self.optimizer
@@ -215,13 +222,17 @@ class PrimalTrainer(Trainer):
     def _loss_is_scaled(self, num_items_in_batch) -> bool:
         if self.loss_is_scaled_for_ga is not None:
             return bool(self.loss_is_scaled_for_ga)
-        return bool((self.model_accepts_loss_kwargs and num_items_in_batch is not None) or self.compute_loss_func is not None)
+        return bool(
+            (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or self.compute_loss_func is not None
+        )
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         distilling = self.teacher is not None and model.training
         if distilling and self.distill_target == "hidden" and resolve_target(model, "auto") == "logits":
             inputs = {**inputs, "output_hidden_states": True}  # heads expose the final states only on request
-        task_loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        task_loss, outputs = super().compute_loss(
+            model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch
+        )
         if not model.training:
             return (task_loss, outputs) if return_outputs else task_loss
         if distilling:
