@@ -38,7 +38,6 @@ function from the q/k projections to the merged heads, with a hand-written backw
 
 from __future__ import annotations
 
-
 from typing import NamedTuple, Optional, Union
 
 import torch

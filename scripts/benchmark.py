@@ -411,7 +411,7 @@ def add_ratios(rows: list[dict]) -> None:
 
 def summarise(settings: Settings, rows: list[dict], quick: bool) -> list[dict[str, Any]]:
     summary = []
-    for section, shape in settings.sections.items():
+    for section in settings.sections:
         for mode in ("train", "infer"):
             for variant in VARIANTS:
                 points = [(r["n"], r["time_ms"]) for r in rows if r["section"] == section and r["mode"] == mode
@@ -602,7 +602,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     for row in rows:
         row.setdefault("status", "ok")
     order = {v: i for i, v in enumerate(VARIANTS)}
-    sections = ["lra", "bert-base"] + [f"{part}:{s}" for s in ("bert-base", "lra") for part in ("attention", "middle", "layer")]
+    parts_by_section = [f"{part}:{s}" for s in ("bert-base", "lra") for part in ("attention", "middle", "layer")]
+    sections = ["lra", "bert-base"] + parts_by_section
     rows.sort(key=lambda r: (sections.index(r["section"]), r["mode"] != "train", r["n"], order.get(r["variant"], 9)))
     add_ratios(rows)
     summary = summarise(settings, rows, args.quick)

@@ -230,7 +230,7 @@ def measure_latency(
                 elapsed = _decode(models[variant], _branch(cache), first, new_tokens)
                 if round_:
                     samples[variant, context].append(elapsed / new_tokens)
-        for (variant, context), (cache, _) in prefilled.items():
+        for (_variant, context), (cache, _) in prefilled.items():
             if cache.get_seq_length() != context:
                 raise RuntimeError("decoding from a branch modified a prefilled cache; latencies would be wrong")
     return samples
@@ -384,7 +384,8 @@ def report(rows: list[dict], out_dir: Path) -> None:
 # ----------------------------------------------------------------------------------------- entry point
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--contexts", type=str, default=None, help="comma-separated prompt lengths (default 128,...,4096)")
+    parser.add_argument("--contexts", type=str, default=None,
+                        help="comma-separated prompt lengths (default 128,...,4096)")
     parser.add_argument("--new-tokens", type=int, default=None, help="tokens decoded per timed pass (default 8)")
     parser.add_argument("--repeats", type=int, default=None, help="timed passes per configuration (default 7)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads in each worker (default 1)")

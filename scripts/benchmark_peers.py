@@ -55,7 +55,6 @@ from typing import Any, Callable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchmark as base  # noqa: E402  (sets the offline / verbosity environment before transformers loads)
-
 import torch  # noqa: E402
 
 PEERS = ("performer", "nystrom", "linformer")
@@ -284,10 +283,10 @@ def short_timing_job(opts: Options) -> list[dict[str, Any]]:
 def minilm_job(opts: Options) -> list[dict[str, Any]]:
     """all-MiniLM-L6-v2, stock vs last layer primal, embedding real sentences: sentences per second."""
     torch.set_num_threads(opts.threads)
+    import bbc_news
     from transformers import AutoTokenizer, BertModel
     from transformers.utils import logging as hf_logging
 
-    import bbc_news
     from hf_primal import PrimalAttentionConfig, convert
     from hf_primal.demo import minilm_path
     from hf_primal.distill import masked_mean_pool
@@ -384,7 +383,7 @@ def summarise_short(rows: list[dict]) -> list[dict[str, Any]]:
         if ref is None:
             continue
         if row.get("sentences_per_s"):
-            summary.append({"name": f"MiniLM last layer primal: sentences/s vs stock",
+            summary.append({"name": "MiniLM last layer primal: sentences/s vs stock",
                             "value": row["sentences_per_s"] / ref["sentences_per_s"], "target": ">= 1"})
         else:
             summary.append({"name": f"{row['model']} {row['variant']} {row['mode']} N={row['n']} batch {row['batch']}: "

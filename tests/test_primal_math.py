@@ -66,7 +66,8 @@ def test_noncausal_matches_reference(case):
     assert (y - y_ref).abs().max() < 1e-10
     assert torch.all(y.transpose(1, 2)[~full] == 0)  # exactly zero, not just small
     per_seq, whole = reference_layer_J(e_ref, r_ref, full, core.Lambda, core.We, core.Wr)
-    assert torch.allclose(ksvd_objective(terms, "sequence").double(), torch.tensor(per_seq, dtype=torch.float64), atol=1e-5)
+    expected = torch.tensor(per_seq, dtype=torch.float64)
+    assert torch.allclose(ksvd_objective(terms, "sequence").double(), expected, atol=1e-5)
     assert ksvd_objective(terms, "batch").item() == pytest.approx(whole, abs=1e-5)
     assert torch.equal(terms.count, full.sum(1).float() * H)
     # merging heads is a free view of the result (token-major storage)
