@@ -33,7 +33,14 @@ from transformers import AutoModelForCausalLM, EvalPrediction, TrainingArguments
 # `python scripts/x.py` puts scripts/ on sys.path but importing main() from elsewhere (tests) does not.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (  # noqa: E402
-    ModelArguments, adopt_tokenizer, data_files, load_config, load_model, load_tokenizer, parse_args, phases,
+    ModelArguments,
+    adopt_tokenizer,
+    data_files,
+    load_config,
+    load_model,
+    load_tokenizer,
+    parse_args,
+    phases,
     train_and_evaluate,
 )
 

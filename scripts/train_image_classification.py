@@ -30,7 +30,11 @@ import numpy as np
 import torch
 from PIL import Image
 from transformers import (
-    AutoImageProcessor, AutoModelForImageClassification, EvalPrediction, TrainingArguments, ViTImageProcessor,
+    AutoImageProcessor,
+    AutoModelForImageClassification,
+    EvalPrediction,
+    TrainingArguments,
+    ViTImageProcessor,
     set_seed,
 )
 

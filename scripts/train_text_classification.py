@@ -23,13 +23,24 @@ from typing import Any, Optional, Sequence
 import datasets
 import numpy as np
 from transformers import (
-    AutoModelForSequenceClassification, DataCollatorWithPadding, EvalPrediction, TrainingArguments, set_seed,
+    AutoModelForSequenceClassification,
+    DataCollatorWithPadding,
+    EvalPrediction,
+    TrainingArguments,
+    set_seed,
 )
 
 # `python scripts/x.py` puts scripts/ on sys.path but importing main() from elsewhere (tests) does not.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (  # noqa: E402
-    ModelArguments, adopt_tokenizer, data_files, load_config, load_model, load_tokenizer, parse_args, phases,
+    ModelArguments,
+    adopt_tokenizer,
+    data_files,
+    load_config,
+    load_model,
+    load_tokenizer,
+    parse_args,
+    phases,
     train_and_evaluate,
 )
 

@@ -5,10 +5,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest
 import torch
+from transformers import BertConfig, GPT2Config, ViTConfig
 
 import hf_primal  # noqa: F401  (installs the hooks under test)
 from hf_primal.cache import cache_kwarg
-from transformers import BertConfig, GPT2Config, ViTConfig
 
 
 def cache_kw(cache) -> dict:

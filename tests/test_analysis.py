@@ -105,7 +105,8 @@ def test_primal_layer_matches_dense_svd_of_the_implied_kernel(kernel):
             f = sampled[:, h] if kernel == "sampled" else torch.eye(dim, dtype=torch.float64)
             expected.append(cumulative_spectrum(q_hat @ f.T @ f @ k_hat.T, length=12))
     assert (spectra[2].curves - torch.stack(expected)).abs().max() < 1e-6
-    assert torch.allclose(spectra[2].curves[:, dim - 1 :], torch.ones(8, 12 - dim + 1, dtype=torch.float64))  # rank <= d
+    # rank <= d
+    assert torch.allclose(spectra[2].curves[:, dim - 1 :], torch.ones(8, 12 - dim + 1, dtype=torch.float64))
 
 
 def test_causal_primal_layer_uses_normalised_prefix_means():

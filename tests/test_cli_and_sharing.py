@@ -99,7 +99,9 @@ def test_base_conversion_loads_with_every_head_without_plugin(tmp_path, arch):
         batch = torch.load({str(tmp_path / 'batch.pt')!r})
         found = {{}}
         for head in {HEADS[arch]!r}:
-            model = getattr(transformers, head).from_pretrained({str(tmp_path / 'out')!r}, trust_remote_code=True).eval()
+            model = getattr(transformers, head).from_pretrained(
+                {str(tmp_path / 'out')!r}, trust_remote_code=True
+            ).eval()
             layers = [type(m).__name__ for m in model.modules() if type(m).__name__.startswith("Primal")
                       and type(m).__name__.endswith("Attention")]
             with torch.no_grad():
@@ -107,12 +109,16 @@ def test_base_conversion_loads_with_every_head_without_plugin(tmp_path, arch):
             found[head] = (type(model).__name__, type(model).__module__, layers, hidden)
         torch.save(found, {str(tmp_path / 'found.pt')!r})
         if {arch == 'bert'}:
-            classify = transformers.pipeline("text-classification", model={str(tmp_path / 'out')!r}, trust_remote_code=True)
+            classify = transformers.pipeline(
+                "text-classification", model={str(tmp_path / 'out')!r}, trust_remote_code=True
+            )
             print("PIPELINE", type(classify.model).__name__, classify("the weather is lovely today")[0]["label"])
         """, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     found = torch.load(tmp_path / "found.pt")
-    stock_attention = {"bert": "PrimalBertSelfAttention", "vit": "PrimalViTAttention", "gpt2": "PrimalGPT2Attention"}[arch]
+    stock_attention = {
+        "bert": "PrimalBertSelfAttention", "vit": "PrimalViTAttention", "gpt2": "PrimalGPT2Attention"
+    }[arch]
     for head in HEADS[arch]:
         name, module, layers, remote_hidden = found[head]
         assert name.startswith("Primal") and module.startswith("transformers_modules"), (head, name, module)
@@ -167,9 +173,10 @@ def test_processors_load_without_prompt(shared_folders):
     _no_prompt(result)
 
 
-@pytest.mark.xfail(reason="transformers 5.24's AutoTokenizer always resolves config.json through AutoConfig, which asks "
-                          "before running the custom config class of a primal_* model type; nothing in the folder's "
-                          "tokenizer files avoids it (pass trust_remote_code=True or import hf_primal)", strict=False)
+@pytest.mark.xfail(reason="transformers 5.24's AutoTokenizer always resolves config.json through AutoConfig, which "
+                          "asks before running the custom config class of a primal_* model type; nothing in the "
+                          "folder's tokenizer files avoids it (pass trust_remote_code=True or import hf_primal)",
+                   strict=False)
 def test_plain_auto_tokenizer_without_plugin_does_not_prompt(shared_folders):
     result = run_child(f"""
         from transformers import AutoTokenizer
@@ -190,7 +197,9 @@ class _Records(logging.Handler):
 
 def test_plain_save_pretrained_writes_the_shareable_form(tmp_path):
     BertForSequenceClassification(bert_config()).save_pretrained(tmp_path / "stock")
-    model = BertForSequenceClassification.from_pretrained(tmp_path / "stock", primal_attention={"layers": [-1], "low_rank": 4}).eval()
+    model = BertForSequenceClassification.from_pretrained(
+        tmp_path / "stock", primal_attention={"layers": [-1], "low_rank": 4}
+    ).eval()
     batch = _text_batch()
     with torch.no_grad():
         logits = model(**batch).logits
@@ -244,11 +253,14 @@ def test_push_to_hub_of_a_stock_class_primal_model_uploads_the_shareable_folder(
     from tests.test_convert_hub import _intercept
 
     fake = _intercept(monkeypatch, tmp_path)
-    BertForSequenceClassification(bert_config(primal_attention={"layers": [-1], "low_rank": 4})).push_to_hub("me/primal")
+    model = BertForSequenceClassification(bert_config(primal_attention={"layers": [-1], "low_rank": 4}))
+    model.push_to_hub("me/primal")
     [(repo_id, files, folder)] = fake.commits
-    assert repo_id == "me/primal" and {"config.json", "model.safetensors", "modeling_primal_bert.py", "README.md"} <= set(files)
+    assert repo_id == "me/primal"
+    assert {"config.json", "model.safetensors", "modeling_primal_bert.py", "README.md"} <= set(files)
     assert json.loads(open(os.path.join(folder, "config.json")).read())["model_type"] == "primal_bert"
-    assert "trust_remote_code=True" in open(os.path.join(folder, "README.md")).read()  # hf_primal's card, not a generic one
+    # hf_primal's card, not a generic one
+    assert "trust_remote_code=True" in open(os.path.join(folder, "README.md")).read()
 
 
 def test_stock_models_still_save_stock(tmp_path):
@@ -317,7 +329,7 @@ def test_missing_local_path_is_reported_without_the_hub(tmp_path, args):
     result = _cli(args, tmp_path, importtime=True)
     # The Hub is never asked: the answer comes before transformers / huggingface_hub are even imported.
     assert not _imported(result.stderr) & {"transformers", "huggingface_hub", "torch"}
-    result.stderr = "\n".join(l for l in result.stderr.splitlines() if not l.startswith("import time:"))
+    result.stderr = "\n".join(line for line in result.stderr.splitlines() if not line.startswith("import time:"))
     _one_error_line(result, f"{args[1]}: no such folder")
 
 
@@ -362,7 +374,8 @@ def test_unexpected_error_is_one_line_and_debug_shows_traceback(tmp_path, capsys
     assert main(["convert", str(tmp_path / "roberta"), str(tmp_path / "out"), "--low-rank", "4"]) == 1
     err = capsys.readouterr().err
     line = err.strip().splitlines()[-1]
-    assert "Traceback" not in err and line.startswith("hf-primal convert: error: ValueError: Primal-Attention does not support")
+    assert "Traceback" not in err
+    assert line.startswith("hf-primal convert: error: ValueError: Primal-Attention does not support")
     assert line.endswith("(--debug shows the traceback)")
     assert main(["convert", str(tmp_path / "roberta"), str(tmp_path / "out"), "--low-rank", "4", "--debug"]) == 1
     assert "Traceback (most recent call last)" in capsys.readouterr().err

@@ -127,7 +127,10 @@ def test_trainer_attributes_are_checked():
     class NotATrainer:
         accelerator = None
 
-    with pytest.raises(compat.IncompatibleTransformersError, match=r"\['model_accepts_loss_kwargs', 'compute_loss_func', 'loss_is_scaled_for_ga'\]"):
+    with pytest.raises(
+        compat.IncompatibleTransformersError,
+        match=r"\['model_accepts_loss_kwargs', 'compute_loss_func', 'loss_is_scaled_for_ga'\]",
+    ):
         compat.check_trainer_instance(NotATrainer())
 
 

@@ -85,7 +85,10 @@ def test_layers_duplicated_after_resolution():
 
 
 def test_layers_out_of_range():
-    _raises(r"index 5 is out of range .* 2 attention layers", lambda: BertModel(bert_config(primal_attention={"layers": [5]})))
+    _raises(
+        r"index 5 is out of range .* 2 attention layers",
+        lambda: BertModel(bert_config(primal_attention={"layers": [5]})),
+    )
 
 
 def test_unknown_field():

@@ -27,7 +27,9 @@ from hf_primal import convert, primal_layers
 from hf_primal.hub import REMOTE_CODE_FILES
 from tests.conftest import bert_config, gpt2_config, vit_config
 
-AUTO = {"bert": AutoModelForSequenceClassification, "vit": AutoModelForImageClassification, "gpt2": AutoModelForCausalLM}
+AUTO = {
+    "bert": AutoModelForSequenceClassification, "vit": AutoModelForImageClassification, "gpt2": AutoModelForCausalLM
+}
 
 
 def _stock(arch):
@@ -105,7 +107,9 @@ def _held_out_errors(stock, converted, names, batches, causal):
     calls = {name: [] for name in names}
     handles = [
         stock.get_submodule(name).register_forward_hook(
-            lambda mod, args, kwargs, out, name=name: calls[name].append((args, kwargs, out[0] if isinstance(out, tuple) else out)),
+            lambda mod, args, kwargs, out, name=name: calls[name].append(
+                (args, kwargs, out[0] if isinstance(out, tuple) else out)
+            ),
             with_kwargs=True)
         for name in names
     ]
@@ -259,7 +263,9 @@ class _FakeHub:
 def _intercept(monkeypatch, tmp_path):
     fake = _FakeHub(str(tmp_path / "hub"))
     monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, *a, **k: fake.create_repo(repo_id))
-    monkeypatch.setattr(HfApi, "create_commit", lambda self, repo_id, operations, *a, **k: fake.create_commit(repo_id, operations))
+    monkeypatch.setattr(
+        HfApi, "create_commit", lambda self, repo_id, operations, *a, **k: fake.create_commit(repo_id, operations)
+    )
     return fake
 
 
@@ -358,7 +364,8 @@ def test_demo_reduced_mode(tmp_path, capsys):
     assert saved["cosine_distilled"] == results["cosine_distilled"] and saved["quick"] is True
     assert f"mean cosine = {results['cosine_distilled']:.4f}" in printed
     assert results["primal_layers"] == ["bert.encoder.layer.5.attention.self"]
-    assert not any(os.path.isdir(tmp_path / "demo" / name) for name in os.listdir(tmp_path / "demo"))  # no empty trainer/
+    # no empty trainer/
+    assert not any(os.path.isdir(tmp_path / "demo" / name) for name in os.listdir(tmp_path / "demo"))
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "demo")
     ids = tokenizer("the weather is lovely today")["input_ids"]
     assert tokenizer.unk_token_id not in ids  # the pitfall: a tokenizer that maps every word to [UNK]

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import BertForSequenceClassification, BertModel, TrainingArguments
+from transformers import BertForSequenceClassification, BertModel
 
 from hf_primal import PrimalTrainer, convert, primal_layers
 from hf_primal.distill import distill, frozen_copy, hidden_state_loss, logits_kl_loss, masked_mean_pool
@@ -38,7 +38,8 @@ def _gap(student, teacher, batches):
     for b in batches:
         s, t = student(**b).last_hidden_state, teacher(**b).last_hidden_state
         errs.append(float(hidden_state_loss(s, t, b["attention_mask"], pooled_weight=0.0)))
-        cos.append(F.cosine_similarity(masked_mean_pool(s, b["attention_mask"]), masked_mean_pool(t, b["attention_mask"])).mean())
+        mask = b["attention_mask"]
+        cos.append(F.cosine_similarity(masked_mean_pool(s, mask), masked_mean_pool(t, mask)).mean())
     return sum(errs) / len(errs), float(torch.stack(cos).mean())
 
 
@@ -128,7 +129,9 @@ def test_convert_distill_bad_inputs():
 
 # ------------------------------------------------------------------ PrimalTrainer(teacher=...)
 def _primal_cls(**kw):
-    return BertForSequenceClassification(bert_config(primal_attention={"layers": "all", "low_rank": 4, "eta": 0.5}, **kw))
+    return BertForSequenceClassification(
+        bert_config(primal_attention={"layers": "all", "low_rank": 4, "eta": 0.5}, **kw)
+    )
 
 
 def _teacher_cls():
@@ -142,7 +145,8 @@ def test_trainer_logs_distill_loss_and_keeps_teacher_out_of_checkpoints(tmp_path
     before = {n: p.detach().clone() for n, p in teacher.named_parameters()}
     trainer = PrimalTrainer(model=_primal_cls(), args=_args(tmp_path, per_device_train_batch_size=4, max_steps=4,
                                                             logging_steps=2, save_strategy="steps", save_steps=4),
-                            train_dataset=_cls_dataset(n=16), teacher=teacher, distill_weight=0.7, distill_temperature=3.0)
+                            train_dataset=_cls_dataset(n=16), teacher=teacher, distill_weight=0.7,
+                            distill_temperature=3.0)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "distill_loss" in h]
     assert len(logs) == 2 and all(h["distill_loss"] > 0 and math.isfinite(h["distill_loss"]) for h in logs)
@@ -160,7 +164,6 @@ def test_trainer_logs_distill_loss_and_keeps_teacher_out_of_checkpoints(tmp_path
 
 def test_trainer_distill_gradient_accumulation_matches_full_batch(tmp_path):
     data = _cls_dataset()
-    kw = dict(teacher=None)
 
     def grads(sub, bs, ga):
         torch.manual_seed(0)

@@ -1,4 +1,7 @@
-"""Scale-out through accelerate: 2 CPU processes (gloo DDP, FSDP2) train exactly like 1 process with the same global batch."""
+"""Scale-out through accelerate.
+
+2 CPU processes (gloo DDP, FSDP2) train exactly like 1 process with the same global batch.
+"""
 
 import json
 import os

@@ -227,7 +227,10 @@ def test_primal_state_owns_its_memory_right_after_prefill():
 def test_cache_nbytes_counts_kv_layers_and_primal_states():
     stock = GPT2LMHeadModel(gpt2_config()).eval()
     hybrid = _gpt2([-1])
-    for model, expected in ((stock, 2 * 2 * HEADS * 9 * HEAD_DIM * 4), (hybrid, (2 * HEADS * 9 * HEAD_DIM + 2 * HEADS * HEAD_DIM + 1) * 4)):
+    for model, expected in (
+        (stock, 2 * 2 * HEADS * 9 * HEAD_DIM * 4),
+        (hybrid, (2 * HEADS * 9 * HEAD_DIM + 2 * HEADS * HEAD_DIM + 1) * 4),
+    ):
         cache = DynamicCache(config=model.config)
         with torch.no_grad():
             model(torch.randint(1, 120, (1, 9)), **cache_kw(cache), use_cache=True)

@@ -175,7 +175,7 @@ def test_static_cache_no_recompile_with_smaller_length(layers):
     assert torch.equal(second, _greedy(model, ids[:, :5], max_new_tokens=6).sequences)
 
 
-# ---------------------------------------------------------------------------------------------- assisted / prompt lookup
+# ------------------------------------------------------------------------------------------ assisted / prompt lookup
 @pytest.fixture
 def crops(monkeypatch):
     """Every crop a primal cache layer performs (the number of tokens removed)."""

@@ -13,7 +13,6 @@ from transformers import (
     TrainingArguments,
 )
 
-import hf_primal
 from hf_primal import PrimalTrainer, ksvd_loss
 from tests.conftest import bert_config, gpt2_config
 from tests.reference import reference_causal, reference_layer_J, reference_noncausal
@@ -27,7 +26,9 @@ def _split(t, heads):
 def _capture_inputs(model, modules):
     store, handles = {}, []
     for i, m in enumerate(modules):
-        handles.append(m.register_forward_hook(lambda mod, a, kw, out, i=i: store.__setitem__(i, a[0] if a else kw["hidden_states"]), with_kwargs=True))
+        handles.append(m.register_forward_hook(
+            lambda mod, a, kw, out, i=i: store.__setitem__(i, a[0] if a else kw["hidden_states"]), with_kwargs=True
+        ))
     return store, handles
 
 
@@ -42,7 +43,7 @@ def _expected_loss(per_layer, reduction):
 @pytest.mark.parametrize("reduction", ["sequence", "batch"])
 def test_ksvd_loss_matches_spec_encoder_with_padding(reduction):
     model = BertModel(bert_config(primal_attention={"layers": "all", "low_rank": 4, "rank_multi": 2})).eval()
-    modules = [l.attention.self for l in model.encoder.layer]
+    modules = [layer.attention.self for layer in model.encoder.layer]
     store, handles = _capture_inputs(model, modules)
     ids = torch.randint(1, 120, (3, 11))
     mask = torch.ones(3, 11, dtype=torch.long)
@@ -150,7 +151,10 @@ class _GradCapture(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         if self.grads is None:
-            self.checkpointing = bool(getattr(model, "is_activation_checkpointing", False) or getattr(model, "is_gradient_checkpointing", False))
+            self.checkpointing = bool(
+                getattr(model, "is_activation_checkpointing", False)
+                or getattr(model, "is_gradient_checkpointing", False)
+            )
             self.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -176,7 +180,9 @@ def _first_step_grads(tmp_path, make_model, dataset, bs, ga, **kw):
 @pytest.mark.parametrize("head", ["seq_cls", "causal_lm"])
 def test_gradient_accumulation_matches_full_batch(tmp_path, head):
     if head == "seq_cls":
-        make = lambda: BertForSequenceClassification(bert_config(primal_attention={"layers": "all", "low_rank": 4, "eta": 0.5}))
+        make = lambda: BertForSequenceClassification(
+            bert_config(primal_attention={"layers": "all", "low_rank": 4, "eta": 0.5})
+        )
         data = _cls_dataset()
     else:
         make = lambda: GPT2LMHeadModel(gpt2_config(primal_attention={"layers": "all", "low_rank": 4, "eta": 0.5}))
@@ -221,7 +227,9 @@ def test_eval_reports_ksvd_loss(tmp_path):
     seen = []
     handle = module.register_forward_hook(
         lambda mod, a, kw, out: seen.append((a[0] if a else kw["hidden_states"]).detach().clone()), with_kwargs=True)
-    trainer = PrimalTrainer(model=model, args=_args(tmp_path, per_device_eval_batch_size=4), eval_dataset=_cls_dataset())
+    trainer = PrimalTrainer(
+        model=model, args=_args(tmp_path, per_device_eval_batch_size=4), eval_dataset=_cls_dataset()
+    )
     metrics = trainer.evaluate()
     handle.remove()
     assert len(seen) == 2  # 8 rows, batches of 4
@@ -252,7 +260,9 @@ def test_bf16_autocast_gives_finite_losses(tmp_path):
 
 
 def test_gradient_checkpointing_same_gradients(tmp_path):
-    make = lambda: BertForSequenceClassification(bert_config(primal_attention={"layers": "all", "low_rank": 4, "eta": 0.5}))
+    make = lambda: BertForSequenceClassification(
+        bert_config(primal_attention={"layers": "all", "low_rank": 4, "eta": 0.5})
+    )
     plain = _first_step_grads(tmp_path / "a", make, _cls_dataset(), bs=8, ga=1)
     ckpt = _first_step_grads(tmp_path / "b", make, _cls_dataset(), bs=8, ga=1, activation_checkpointing=True)
     assert plain.pop("__checkpointing__") == 0 and ckpt.pop("__checkpointing__") == 1

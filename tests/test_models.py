@@ -232,7 +232,10 @@ def test_from_pretrained_reuses_qk_and_output_weights_bit_exactly(tmp_path):
         assert torch.equal(a.weight, b.weight) and torch.equal(a.bias, b.bias)
     assert not hasattr(new.self, "value")
     assert hasattr(model.bert.encoder.layer[0].attention.self, "value")
-    primal = {f"bert.encoder.layer.1.attention.self.primal.{n}" for n in ("We", "Wr", "Lambda", "head_map.weight", "head_map.bias")}
+    primal = {
+        f"bert.encoder.layer.1.attention.self.primal.{n}"
+        for n in ("We", "Wr", "Lambda", "head_map.weight", "head_map.bias")
+    }
     assert info["missing_keys"] == primal | {"classifier.weight", "classifier.bias"}
     assert info["unexpected_keys"] == set() and info["mismatched_keys"] == set()
     assert "primal.We" not in json.dumps(sorted(info["unexpected_keys"]))
@@ -279,7 +282,7 @@ def test_unselected_layers_run_stock_code(tmp_path):
     BertModel(bert_config(num_hidden_layers=3)).save_pretrained(tmp_path)
     stock = BertModel.from_pretrained(tmp_path).eval()
     hybrid = BertModel.from_pretrained(tmp_path, primal_attention={"layers": [-1], "low_rank": 4}).eval()
-    assert [type(l.attention.self) is BertSelfAttention for l in hybrid.encoder.layer] == [True, True, False]
+    assert [type(layer.attention.self) is BertSelfAttention for layer in hybrid.encoder.layer] == [True, True, False]
     ids = torch.randint(1, 120, (2, 9))
     with torch.no_grad():
         a = stock(input_ids=ids, output_hidden_states=True).hidden_states

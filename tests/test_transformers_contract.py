@@ -17,7 +17,6 @@ import textwrap
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers import (
     AutoModel,
@@ -66,11 +65,16 @@ def _qk(module, x):
         return _split(qk[..., :32]), _split(qk[..., 32:64])
     q_lin = getattr(module, "query", None) or module.q_proj
     k_lin = getattr(module, "key", None) or module.k_proj
-    return _split(x @ q_lin.weight.double().T + q_lin.bias.double()), _split(x @ k_lin.weight.double().T + k_lin.bias.double())
+    q = _split(x @ q_lin.weight.double().T + q_lin.bias.double())
+    k = _split(x @ k_lin.weight.double().T + k_lin.bias.double())
+    return q, k
 
 
 def _reference_noncausal_kernel(x, q, k, valid, samples):
-    """K_h = q_hat F_h^T F_h k_hat^T over each sequence's valid tokens, loop by loop (docs/method.md, "Non-causal layer" sampling rule)."""
+    """K_h = q_hat F_h^T F_h k_hat^T over each sequence's valid tokens, loop by loop.
+
+    See docs/method.md, "Non-causal layer" sampling rule.
+    """
     batch, heads, length, dim = q.shape
     kernel = torch.zeros(batch, heads, length, length, dtype=torch.float64)
     for b in range(batch):
@@ -90,12 +94,15 @@ def _reference_noncausal_kernel(x, q, k, valid, samples):
 
 
 def _reference_causal_kernel(q, k, valid):
-    """K_ij = <q_hat_i, k_hat_j> on normalised masked prefix means, j <= i, valid i and j (docs/method.md, "Causal layer")."""
+    """K_ij = <q_hat_i, k_hat_j> on normalised masked prefix means, j <= i, valid i and j.
+
+    See docs/method.md, "Causal layer".
+    """
     batch, heads, length, _ = q.shape
     kernel = torch.zeros(batch, heads, length, length, dtype=torch.float64)
     for b in range(batch):
         for h in range(heads):
-            def hat(v, i):
+            def hat(v, i, b=b, h=h):
                 seen = [v[b, h, j] for j in range(i + 1) if bool(valid[b, j])]
                 mean = torch.stack(seen).mean(0)
                 return mean / mean.norm()
@@ -174,7 +181,9 @@ def test_attention_outputs_vit_every_token_valid():
         handle.remove()
     module = model.layers[1].attention
     q, k = _qk(module, store[1][0])
-    expected = _reference_noncausal_kernel(store[1][0], q, k, torch.ones(2, 17, dtype=torch.bool), module.primal.num_samples)
+    expected = _reference_noncausal_kernel(
+        store[1][0], q, k, torch.ones(2, 17, dtype=torch.bool), module.primal.num_samples
+    )
     assert out.attentions[1].shape == (2, HEADS, 17, 17)
     assert (out.attentions[1].double() - expected).abs().max() < 1e-4 * expected.abs().max()
 
@@ -184,7 +193,9 @@ def test_attention_matrix_is_computed_only_when_asked(monkeypatch):
     ids, mask = _text()
     calls = []
     original = PrimalCore.attention_kernel
-    monkeypatch.setattr(PrimalCore, "attention_kernel", lambda self, *a, **kw: calls.append(1) or original(self, *a, **kw))
+    monkeypatch.setattr(
+        PrimalCore, "attention_kernel", lambda self, *a, **kw: calls.append(1) or original(self, *a, **kw)
+    )
     with torch.no_grad():
         plain = model(input_ids=ids, attention_mask=mask)
         assert calls == [] and plain.attentions is None
@@ -217,7 +228,8 @@ def test_retain_grad_hidden_states_attentions(arch):
     # ... but the kernel is a function of the layer's q/k projections, inside the graph.
     model.zero_grad()
     outputs.attentions[-1].sum().backward()
-    module = next(m for m in model.modules() if getattr(m, "_is_primal_attention", False) and m.layer_idx == len(outputs.attentions) - 1)
+    last = len(outputs.attentions) - 1
+    module = next(m for m in model.modules() if getattr(m, "_is_primal_attention", False) and m.layer_idx == last)
     projection = getattr(module, "query", None) or getattr(module, "q_proj", None) or module.c_attn
     assert projection.weight.grad is not None and projection.weight.grad.abs().sum() > 0
     with torch.no_grad():

@@ -64,7 +64,8 @@ def main(out_dir: str, per_device_batch: int, eta: float, find_unused: str = "de
         logs = [h for h in trainer.state.log_history if "ksvd_loss" in h]
         json.dump({"final_loss": float(out.loss), "final_ksvd": final_ksvd, "world": trainer.args.world_size,
                    "logs": logs, "distributed_type": str(trainer.accelerator.distributed_type),
-                   "fsdp_version": getattr(getattr(trainer.accelerator.state, "fsdp_plugin", None), "fsdp_version", None),
+                   "fsdp_version": getattr(getattr(trainer.accelerator.state, "fsdp_plugin", None), "fsdp_version",
+                                           None),
                    "sharded": type(model).__name__.startswith("FSDP")}, open(f"{out_dir}/result.json", "w"))
 
 
