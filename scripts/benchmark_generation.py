@@ -36,6 +36,13 @@ Latency - one worker holding the three models and a prefilled cache for every pa
 Primal layers decode through `PrimalCore._decode_step` (no KSVD terms, no per-step prefix-sum buffers);
 stock layers through transformers' SDPA path with a `DynamicCache`.
 
+Compiled decoding - one fresh worker per (context, variant) for ``all-primal`` and ``stock-sdpa`` at
+``--compiled-contexts``: a ``StaticCache`` (fixed-size buffers; primal layers get `PrimalStaticCacheLayer`),
+eager prefill as ``generate`` does, then ``torch.compile(model.forward, fullgraph=True)`` decodes
+(``--compile-backend``, inductor by default). ``compiled_ms``: median per-token latency over ``--repeats``
+passes after the compiling first step (``compile_s``); ``tokens_match``: the compiled greedy tokens equal the
+eager dynamic-cache ones for the same prompt (the worker raises otherwise). Written to ``generation_compiled.csv``.
+
 Outputs: a table on stdout (absolute numbers and ratios to stock SDPA at the same context), a CSV and a
 PNG plot in ``--out-dir``. Latencies depend on the machine and its load; run on an idle machine.
 
@@ -62,7 +69,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
-from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
+from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, StaticCache
 
 import hf_primal  # noqa: F401  (lets GPT2Config take `primal_attention`)
 from hf_primal.cache import cache_kwarg, cache_nbytes
@@ -75,6 +82,8 @@ VARIANTS: dict[str, Optional[dict]] = {
 BASELINE = "stock-sdpa"
 CSV_NAME = "generation_benchmark.csv"
 PNG_NAME = "generation_benchmark.png"
+COMPILED_CSV_NAME = "generation_compiled.csv"
+COMPILED_VARIANTS = ("all-primal", BASELINE)
 
 
 @dataclass(frozen=True)
@@ -236,6 +245,70 @@ def measure_latency(
     return samples
 
 
+def measure_compiled(
+    variant: str, context: int, shape: Shape, new_tokens: int, repeats: int, threads: int, seed: int, backend: str
+) -> dict:
+    """Per-token decode latency through ``torch.compile(model.forward, fullgraph=True)`` on a static cache."""
+    torch.set_num_threads(threads)
+    model = build_model(variant, shape, seed)
+    prompt = _prompt(shape, context, seed)
+    steps = 1 + new_tokens * repeats
+    cache = StaticCache(config=model.config, max_cache_len=context + steps)
+    forward = torch.compile(model.forward, fullgraph=True, backend=backend)
+    tokens = []
+    with torch.no_grad():
+        # Eager prefill, as generate() does with a compiled decode.
+        logits = model(prompt, **{cache_kwarg(): cache}, use_cache=True, logits_to_keep=1).logits
+        token = logits[:, -1].argmax(-1, keepdim=True)
+
+        def step(token: torch.Tensor) -> torch.Tensor:
+            position = torch.tensor([[context + len(tokens)]])
+            tokens.append(token)
+            out = forward(input_ids=token, **{cache_kwarg(): cache}, use_cache=True, position_ids=position)
+            return out.logits[:, -1].argmax(-1, keepdim=True)
+
+        start = time.perf_counter()
+        token = step(token)  # traces and compiles
+        compile_s = time.perf_counter() - start
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(new_tokens):
+                token = step(token)
+            samples.append((time.perf_counter() - start) / new_tokens)
+        tokens.append(token)
+        # The same greedy tokens from eager decoding on the default dynamic cache (first pass only: cheap).
+        check = 1 + new_tokens
+        cache, first, _ = _prefill(model, prompt)
+        eager = [first]
+        for _ in range(check - 1):
+            logits = model(eager[-1], **{cache_kwarg(): cache}, use_cache=True).logits
+            eager.append(logits[:, -1].argmax(-1, keepdim=True))
+    if not torch.equal(torch.cat(tokens[:check], 1), torch.cat(eager, 1)):
+        raise RuntimeError(f"{variant} at context {context}: compiled static-cache tokens differ from eager decoding")
+    return {
+        "variant": variant, "context": context, "backend": backend, "threads": threads, "new_tokens": new_tokens,
+        "repeats": repeats, "compile_s": compile_s, "compiled_ms": 1e3 * statistics.median(samples),
+        "compiled_ms_min": 1e3 * min(samples), "compiled_ms_max": 1e3 * max(samples), "tokens_match": True,
+    }
+
+
+def compiled_table(rows: list[dict], eager: list[dict]) -> str:
+    """Compiled static-cache latency per (variant, context), next to eager dynamic-cache latency where measured."""
+    stock = {r["context"]: r["compiled_ms"] for r in rows if r["variant"] == BASELINE}
+    eager_ms = {(r["variant"], r["context"]): r["latency_ms"] for r in eager}
+    header = f"{'variant':<12} {'context':>7} {'compiled ms':>11} {'x stock':>8} {'eager ms':>9} {'compile s':>9}"
+    lines = [header, "-" * len(header)]
+    for row in sorted(rows, key=lambda r: (r["context"], COMPILED_VARIANTS.index(r["variant"]))):
+        row["compiled_ms_vs_stock"] = stock[row["context"]] / row["compiled_ms"]
+        measured = eager_ms.get((row["variant"], row["context"]))
+        lines.append(
+            f"{row['variant']:<12} {row['context']:>7} {row['compiled_ms']:>11.2f} {row['compiled_ms_vs_stock']:>8.2f} "
+            f"{measured if measured is not None else float('nan'):>9.2f} {row['compile_s']:>9.1f}"
+        )
+    return "\n".join(lines)
+
+
 def _child(conn, fn: Callable, args: tuple) -> None:
     try:
         conn.send(("ok", fn(*args)))
@@ -390,19 +463,27 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=None, help="timed passes per configuration (default 7)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads in each worker (default 1)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compiled-contexts", type=str, default=None,
+                        help="contexts for the compiled static-cache phase (default 128,512,2048; 16 with --quick; "
+                             "'' to skip)")
+    parser.add_argument("--compile-backend", type=str, default=None,
+                        help="torch.compile backend (default inductor; aot_eager with --quick)")
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--quick", action="store_true", help="tiny 2-layer model and short contexts (for tests)")
     parser.add_argument("--replot", action="store_true", help="only redraw table and plot from the CSV in --out-dir")
     args = parser.parse_args(argv)
     default_contexts = "16,32,64" if args.quick else "128,256,512,1024,2048,4096"
     args.contexts = sorted({int(c) for c in (args.contexts or default_contexts).split(",")})
+    compiled = ("16" if args.quick else "128,512,2048") if args.compiled_contexts is None else args.compiled_contexts
+    args.compiled_contexts = sorted({int(c) for c in compiled.split(",") if c.strip()})
+    args.compile_backend = args.compile_backend or ("aot_eager" if args.quick else "inductor")
     args.new_tokens = args.new_tokens or (3 if args.quick else 8)
     args.repeats = args.repeats or (2 if args.quick else 7)
     if min(args.contexts) < 1 or args.new_tokens < 1 or args.repeats < 1 or args.threads < 1:
         parser.error("contexts, --new-tokens, --repeats and --threads must be positive")
     base = TINY if args.quick else GPT2_SMALL
     # Positions must cover the prompt plus every decoded token; GPT-2 has learned absolute positions.
-    needed = max(args.contexts) + args.new_tokens
+    needed = max([*args.contexts, *args.compiled_contexts]) + args.new_tokens * (args.repeats + 1) + 1
     args.shape = Shape(base.n_layer, base.n_embd, base.n_head, base.vocab_size, max(base.n_positions, needed))
     return args
 
@@ -454,6 +535,24 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     report(rows, args.out_dir)
     busy = " (above the thread count: other processes competed, latencies are inflated)" if load > args.threads else ""
     print(f"1-minute load average while timing: {load:.2f}{busy}")
+    if args.compiled_contexts:
+        print(f"compiled decoding ({args.compile_backend}, static cache): one worker per (context, variant)",
+              flush=True)
+        compiled = [
+            run_isolated(measure_compiled, variant, context, shape, args.new_tokens, args.repeats, args.threads,
+                         args.seed, args.compile_backend)
+            for context in args.compiled_contexts for variant in COMPILED_VARIANTS
+        ]
+        load = os.getloadavg()[0]
+        for row in compiled:
+            row["load1"] = load
+        print(compiled_table(compiled, rows))
+        path = args.out_dir / COMPILED_CSV_NAME
+        with open(path, "w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=list(compiled[0]))
+            writer.writeheader()
+            writer.writerows(compiled)
+        print(f"wrote {path}")
     print(f"total {time.perf_counter() - started:.0f} s")
     return rows
 
