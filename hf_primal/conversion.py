@@ -20,9 +20,11 @@ from torch import nn
 from transformers import initialization as hf_init
 from transformers.cache_utils import Cache
 
-from .cache import DEFAULT_CROP_WINDOW, cache_kwarg, primal_cache_layer
+from .cache import primal_cache_layer
+from .cache_layer import DEFAULT_CROP_WINDOW, cache_kwarg
 from .config import PrimalAttentionConfig
-from .primal import PrimalCore, num_sampled_tokens
+from .primal import PrimalCore
+from .sampling import num_sampled_tokens
 
 
 @dataclass(frozen=True)

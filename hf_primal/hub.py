@@ -20,7 +20,8 @@ from .models import ARCHITECTURES, BY_NAME, SOURCE_FILES, find_architecture, sha
 # The flat modules a shared folder needs besides its architecture's module; they import only torch, transformers
 # and each other (`from .x import`), which is what transformers' remote-code loader resolves.
 REMOTE_CODE_FILES = (
-    "config.py", "primal.py", "cache.py", "layers.py", "conversion.py", "shareable.py", "model_card.py",
+    "config.py", "sampling.py", "kernel.py", "heads.py", "decode.py", "primal.py", "cache_layer.py", "static_cache.py",
+    "cache.py", "layers.py", "conversion.py", "shareable.py", "model_card.py",
 )
 _PACKAGE_DIR = Path(__file__).resolve().parent
 

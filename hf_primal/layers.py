@@ -16,7 +16,9 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
-from .cache import DEFAULT_CROP_WINDOW, PrimalStaticCacheLayer, primal_cache_layer
+from .cache import primal_cache_layer
+from .cache_layer import DEFAULT_CROP_WINDOW
+from .static_cache import PrimalStaticCacheLayer
 
 try:  # transformers records layer outputs (attentions, hidden states) with hooks while this collector is active
     from transformers.utils.output_capturing import _active_collector as _OUTPUT_COLLECTOR

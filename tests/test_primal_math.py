@@ -5,7 +5,8 @@ import copy
 import pytest
 import torch
 
-from hf_primal.primal import SAMPLING_RULES, PrimalCore, ksvd_objective, sample_token_indices
+from hf_primal.primal import PrimalCore, ksvd_objective
+from hf_primal.sampling import SAMPLING_RULES, sample_token_indices
 from tests.reference import reference_causal, reference_layer_J, reference_noncausal
 
 H, D, S = 3, 4, 5
@@ -240,7 +241,7 @@ def test_lambda_reaches_the_output_through_a_zero_tie():
 def test_short_sequences_sum_weights_per_token_like_the_gathered_rows(rule, mask):
     # N < p: the layer sums W_e / W_r rows per token instead of gathering p rows. Same y, terms and gradients as
     # the direct formula X_s^T W_e on the gathered rows (built here with plain autograd ops), for both rules.
-    from hf_primal.primal import _sample_tokens
+    from hf_primal.sampling import _sample_tokens, sampled_weights
 
     batch, length, samples = 3, 6, 10
     core = _core(False, samples)
@@ -248,7 +249,7 @@ def test_short_sequences_sum_weights_per_token_like_the_gathered_rows(rule, mask
     q, k = _qk(batch, length)
     x = torch.randn(batch, length, H * D, dtype=torch.float64, requires_grad=True)
     valid = None if mask is None else _mask(batch, length, mask)
-    we_x, wr_x = core._sampled_weights(x, valid, torch.float64)
+    we_x, wr_x = sampled_weights(x, valid, core.We, core.Wr, rule, torch.float64)
     # The per-token sums rely on every rule giving slots in token order.
     full_valid = torch.ones(batch, length, dtype=torch.bool) if valid is None else valid
     assert torch.all(sample_token_indices(full_valid, samples, rule).diff(dim=1) >= 0)

@@ -1,0 +1,197 @@
+"""Packed segments, prefix means and the N x N attention kernel of primal layers, in plain torch.
+
+Packed rows hold several sequences (padding-free training): `segment_starts` / `_segmented_cumsum` restart the
+causal prefix sums at each segment, `_Packing` turns each segment of a non-causal batch into a sequence of its own.
+`prefix_mean_features`, `sampled_gram` and `kernel_matrix` build, with plain autograd ops, the kernel matrix whose
+KSVD a layer computes (``output_attentions=True``, hf_primal.analysis).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .sampling import _sample_tokens
+
+NORM_EPS = 1e-12
+
+
+def segment_starts(segments: torch.Tensor) -> torch.Tensor:
+    """(B, L) segment ids -> (B, L) position of the first token of each token's segment.
+
+    A segment is a run of equal ids: a new one starts wherever the id changes from the previous token.
+    """
+    batch, length = segments.shape
+    positions = torch.arange(length, device=segments.device).expand(batch, length)
+    change = torch.ones_like(segments, dtype=torch.bool)
+    change[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    return torch.where(change, positions, torch.zeros_like(positions)).cummax(dim=1).values
+
+
+def _accumulator_dtype(device: torch.device) -> torch.dtype:
+    # MPS has no float64; elsewhere float64 keeps "total - total at the segment start" exact to fp32 precision.
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def _segmented_cumsum(v: torch.Tensor, starts: torch.Tensor, dim: int) -> torch.Tensor:
+    """Inclusive cumulative sum along `dim` that restarts at every segment start (float64 where supported).
+
+    `starts` is `segment_starts(...)`, (B, L), broadcast over the other axes of `v`; subtracting the exclusive
+    sum at the segment start keeps this a single cumsum + gather, without a loop over segments.
+    """
+    acc = _accumulator_dtype(v.device)
+    total = torch.cumsum(v, dim=dim, dtype=acc)
+    exclusive = total - v.to(acc)
+    shape = [1] * v.dim()
+    shape[0], shape[dim] = starts.shape
+    index = starts.view(shape).expand_as(total)
+    return total - torch.gather(exclusive, dim, index)
+
+
+class _Packing(NamedTuple):
+    """Where each token of a packed (B, L) batch goes when every segment becomes a sequence of its own.
+
+    group, slot: (B, L) sequence index (0..G-1) and position in it; rows: (G,) the row each sequence came from.
+    """
+
+    group: torch.Tensor
+    slot: torch.Tensor
+    rows: torch.Tensor
+    num_groups: int
+    width: int
+
+    @staticmethod
+    def build(segments: torch.Tensor) -> "_Packing":
+        batch, length = segments.shape
+        starts = segment_starts(segments)
+        positions = torch.arange(length, device=segments.device)
+        new = (starts == positions).long()  # 1 at every segment start
+        local = new.cumsum(dim=1) - 1  # segment index within the row
+        per_row = new.sum(dim=1)
+        offsets = per_row.cumsum(dim=0) - per_row
+        group = local + offsets[:, None]
+        slot = positions - starts
+        rows = torch.repeat_interleave(torch.arange(batch, device=segments.device), per_row)
+        return _Packing(group, slot, rows, int(per_row.sum()), int(slot.max()) + 1)
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        """(B, L, ...) -> (G, W, ...), zero in the slots past each sequence's end."""
+        out = t.new_zeros(self.num_groups, self.width, *t.shape[2:])
+        out[self.group, self.slot] = t
+        return out
+
+    def unpack(self, t: torch.Tensor) -> torch.Tensor:
+        """(G, W, ...) -> (B, L, ...)."""
+        return t[self.group, self.slot]
+
+    def per_row(self, values: torch.Tensor) -> torch.Tensor:
+        """(G,) per-sequence sums -> (B,) per-row sums."""
+        batch = self.group.shape[0]
+        return values.new_zeros(batch).index_add(0, self.rows, values)
+
+    def pack_inputs(
+        self, q: torch.Tensor, k: torch.Tensor, x: torch.Tensor, valid: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A non-causal layer's (B, H, N, d) q, k, (B, N, C) input and (B, N) valid mask (None: every token) ->
+        the same per packed sequence, (G, H, W, d), (G, W, C) and (G, W), invalid in the slots past each end."""
+        keep = torch.ones_like(self.group, dtype=torch.bool) if valid is None else valid
+        return (
+            self.pack(q.transpose(1, 2)).transpose(1, 2),
+            self.pack(k.transpose(1, 2)).transpose(1, 2),
+            self.pack(x),
+            self.pack(keep),
+        )
+
+
+def prefix_mean_features(
+    v: torch.Tensor,
+    valid: Optional[torch.Tensor] = None,
+    state_sum: Optional[torch.Tensor] = None,
+    state_count: Optional[torch.Tensor] = None,
+    segments: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Normalised masked prefix means of the causal layer (docs/method.md, "Causal layer"), with plain autograd ops.
+
+    Args:
+        v: (B, H, L, d) queries or keys of L new tokens.
+        valid: (B, L) bool or None; invalid tokens do not enter the means.
+        state_sum, state_count: (B, H, d) and (B,) running sum and valid count before these tokens, or None.
+        segments: (B, L) ids of sequences packed in one row (means restart at each new id), or None.
+    Returns:
+        (B, H, L, d) in fp32 (or wider for a wider `v`); rows at invalid tokens are the means so far.
+    """
+    batch, _, length, _ = v.shape
+    dtype = torch.promote_types(v.dtype, torch.float32)
+    v = v.to(dtype)
+    keep = torch.ones(batch, length, dtype=dtype, device=v.device) if valid is None else valid.to(dtype)
+    v = v * keep[:, None, :, None]
+    if segments is not None:
+        if state_sum is not None:
+            raise ValueError("packed segments start new sequences: they cannot continue a cached state")
+        starts = segment_starts(segments)
+        sums = _segmented_cumsum(v, starts, dim=2).to(dtype)
+        counts = _segmented_cumsum(keep, starts, dim=1).to(dtype)
+    else:
+        sums = v.cumsum(dim=2)
+        counts = keep.cumsum(dim=1)
+    if state_sum is not None:
+        sums = sums + state_sum[:, :, None, :].to(dtype)
+        counts = counts + state_count[:, None].to(dtype)
+    means = sums / counts.clamp(min=1.0)[:, None, :, None]
+    return F.normalize(means, dim=-1, eps=NORM_EPS)
+
+
+def sampled_gram(
+    x: torch.Tensor, valid: Optional[torch.Tensor], num_samples: int, heads: int, rule: str = "even"
+) -> torch.Tensor:
+    """F_h^T F_h for every sequence and head: (B, N, C) layer input -> (B, H, d, d), fp32 or wider.
+
+    F_h (p x d) is the head-h block of the p sampled rows the non-causal forward builds W_{e|X} from (the same
+    padding-aware `sample_token_indices` rule), so q_hat F_h^T F_h k_hat^T is the kernel its primal model implies.
+    """
+    batch = x.shape[0]
+    sampled = _sample_tokens(x, valid, num_samples, rule).to(torch.promote_types(x.dtype, torch.float32))
+    blocks = sampled.reshape(batch, num_samples, heads, -1).transpose(1, 2)  # (B, H, p, d)
+    return blocks.mT @ blocks
+
+
+def kernel_matrix(
+    q_hat: torch.Tensor,
+    k_hat: torch.Tensor,
+    gram: Optional[torch.Tensor] = None,
+    row_valid: Optional[torch.Tensor] = None,
+    col_valid: Optional[torch.Tensor] = None,
+    causal: bool = False,
+    segments: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """K = q_hat [gram] k_hat^T per sequence and head, (B, H, L, M), zero where the layer masks.
+
+    Args:
+        q_hat: (B, H, L, d) normalised queries of the L newest tokens; k_hat: (B, H, M, d), M >= L, the last L
+            of them the same tokens as the queries.
+        gram: (B, H, d, d) or None (identity).
+        row_valid, col_valid: (B, L) / (B, M) bool or None; rows / columns of invalid tokens are zero.
+        causal: keep only keys at or before each query (query i is key position M - L + i).
+        segments: (B, L) packed-sequence ids (needs M == L); entries across sequences are zero.
+    """
+    left = q_hat if gram is None else q_hat @ gram
+    kernel = left @ k_hat.mT
+    length, keys = q_hat.shape[2], k_hat.shape[2]
+    keep = None
+    if causal:
+        rows = torch.arange(length, device=kernel.device)[:, None] + (keys - length)
+        keep = torch.arange(keys, device=kernel.device)[None, :] <= rows  # (L, M)
+    if segments is not None:
+        same = segments[:, None, :, None] == segments[:, None, None, :]
+        keep = same if keep is None else keep & same
+    if row_valid is not None:
+        rows_ok = row_valid[:, None, :, None]
+        keep = rows_ok if keep is None else keep & rows_ok
+    if col_valid is not None:
+        cols_ok = col_valid[:, None, None, :]
+        keep = cols_ok if keep is None else keep & cols_ok
+    if keep is None:
+        return kernel
+    return torch.where(keep, kernel, torch.zeros((), dtype=kernel.dtype, device=kernel.device))
