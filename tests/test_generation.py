@@ -290,6 +290,16 @@ def test_benchmark_script_quick_mode(tmp_path, monkeypatch):
     png = tmp_path / "generation_benchmark.png"
     assert png.stat().st_size > 10_000
     assert "x stock" in result.stdout and "all-primal" in result.stdout
+    # Compiled static-cache decoding (aot_eager in quick mode): both variants at the quick context; each worker
+    # checked that its compiled greedy tokens equal eager decoding on the dynamic cache.
+    with open(tmp_path / "generation_compiled.csv") as handle:
+        compiled = {r["variant"]: r for r in csv.DictReader(handle)}
+    assert set(compiled) == {"all-primal", "stock-sdpa"}
+    for row in compiled.values():
+        assert row["context"] == "16" and row["backend"] == "aot_eager" and row["tokens_match"] == "True"
+        assert 0 < float(row["compiled_ms_min"]) <= float(row["compiled_ms"]) <= float(row["compiled_ms_max"])
+    ratio = float(compiled["stock-sdpa"]["compiled_ms"]) / float(compiled["all-primal"]["compiled_ms"])
+    assert float(compiled["all-primal"]["compiled_ms_vs_stock"]) == pytest.approx(ratio, rel=1e-6)
 
     # --replot redraws from the CSV alone, with the numbers read back as numbers.
     spec = importlib.util.spec_from_file_location("benchmark_generation", REPO / "scripts" / "benchmark_generation.py")
