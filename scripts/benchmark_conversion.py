@@ -13,9 +13,9 @@ budget (``--epochs`` over the same training sentences, AdamW, same learning rate
 Reported per variant: test accuracy and macro-F1 (1,075 sentences from held-out articles), the mean cosine of
 mean-pooled sentence embeddings against the original model before fine-tuning (300 test sentences: never used for
 distillation, for choosing the kept step, or while the settings were chosen: the test sentences looked at then are
-listed by hash in ``results/conversion_selection_sentences.sha1`` and left out), wall time of distillation and fine-tuning. Writes
-``conversion_benchmark.csv``, ``conversion_benchmark.png`` and ``conversion_curves.json`` (held-out distillation
-curves) to ``--out-dir``.
+listed by hash in ``results/conversion_selection_sentences.sha1`` and left out), wall time of distillation and
+fine-tuning. Writes ``conversion_benchmark.csv``, ``conversion_benchmark.png`` and ``conversion_curves.json``
+(held-out distillation curves) to ``--out-dir``.
 
     pip install -e ".[bench]"
     python scripts/benchmark_conversion.py                       # all variants (about 1.5 hours on 2 cores)

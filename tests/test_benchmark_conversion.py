@@ -37,7 +37,8 @@ def test_sentences_used_for_choosing_settings_are_left_out_of_the_test_set():
 
 def test_small_end_to_end_run(tmp_path):
     result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "benchmark_conversion.py"), "--variants", "stock,naive-last,recipe-last",
+        [sys.executable, str(ROOT / "scripts" / "benchmark_conversion.py"),
+         "--variants", "stock,naive-last,recipe-last",
          "--train-size", "48", "--test-size", "24", "--unlabeled", "48", "--cosine-sentences", "16",
          "--distill-steps", "4", "--epochs", "0.5", "--batch-size", "16", "--max-length", "48",
          "--out-dir", str(tmp_path)],
