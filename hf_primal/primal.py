@@ -47,7 +47,6 @@ from .kernel import (
     sampled_gram,
     segment_starts,
 )
-from .sampling import sample_token_indices as sample_token_indices  # re-exported for tests/test_analysis.py
 from .sampling import sampled_weights
 
 

@@ -11,7 +11,7 @@ from hf_primal.analysis import (
     cumulative_spectrum,
     plot_attention_spectrum,
 )
-from hf_primal.primal import sample_token_indices
+from hf_primal.sampling import sample_token_indices
 from tests.conftest import bert_config, gpt2_config
 
 
