@@ -322,14 +322,9 @@ class PrimalCore(nn.Module):
         return k_hat if valid is None else k_hat * valid[:, None, :, None].to(k_hat.dtype)
 
     def attention_kernel(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        x: Optional[torch.Tensor] = None,
-        valid: Optional[torch.Tensor] = None,
-        state: Optional[CausalState] = None,
-        segments: Optional[torch.Tensor] = None,
-        past_keys: Optional[torch.Tensor] = None,
+        self, q: torch.Tensor, k: torch.Tensor, *, x: Optional[torch.Tensor] = None,
+        valid: Optional[torch.Tensor] = None, segments: Optional[torch.Tensor] = None,
+        state: Optional[CausalState] = None, past_keys: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The asymmetric kernel matrix whose KSVD this layer computes, for the L new tokens.
 
@@ -364,7 +359,8 @@ class PrimalCore(nn.Module):
             raise ValueError("non-causal Primal-Attention needs the layer input `x` to sample tokens from")
         if segments is not None:
             packing = _Packing.build(segments)
-            packed, _ = self.attention_kernel(*packing.pack_inputs(q, k, x, valid))
+            q_rows, k_rows, x_rows, valid_rows = packing.pack_inputs(q, k, x, valid)
+            packed, _ = self.attention_kernel(q_rows, k_rows, x=x_rows, valid=valid_rows)
             # (G, H, W, W) -> (B, H, N, N): entry (i, j) of a row is entry (slot_i, slot_j) of their sequence.
             by_slot = packed.permute(0, 2, 3, 1)
             group, slot = packing.group, packing.slot
