@@ -21,6 +21,22 @@ def returned_cache(output):
     return getattr(output, cache_kwarg())
 
 
+def capture_layer_io(module):
+    """Record an attention module's input hidden states ("x") and its output ("out") at every forward."""
+    store = {}
+
+    def hook(mod, args, kwargs, output):
+        store["x"] = args[0] if args else kwargs["hidden_states"]
+        store["out"] = output[0]
+
+    return store, module.register_forward_hook(hook, with_kwargs=True)
+
+
+def primal_block_indices(model):
+    """Indices of the GPT-2 blocks whose attention is primal."""
+    return [i for i, block in enumerate(model.transformer.h) if getattr(block.attn, "_is_primal_attention", False)]
+
+
 def bert_config(**kw):
     base = dict(
         hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=120,

@@ -20,7 +20,7 @@ from hf_primal.cache import PrimalCacheLayer
 from hf_primal.hub import REMOTE_CODE_FILES, hub_heads
 from hf_primal.models import ARCHITECTURES, BY_NAME, find_architecture
 from tests.architectures import CASES, inputs, pad_id
-from tests.conftest import cache_kw
+from tests.conftest import cache_kw, capture_layer_io
 from tests.reference import reference_causal, reference_noncausal
 
 NAMES = [a.name for a in ARCHITECTURES]
@@ -39,16 +39,6 @@ def test_every_registered_architecture_is_tested():
 
 def _base(model):
     return getattr(model, model.base_model_prefix, model)
-
-
-def _capture(module):
-    store = {}
-
-    def hook(mod, args, kwargs, output):
-        store["x"] = args[0] if args else kwargs["hidden_states"]
-        store["out"] = output[0]
-
-    return store, module.register_forward_hook(hook, with_kwargs=True)
 
 
 def _split(t, heads=4):
@@ -80,7 +70,7 @@ def test_layer_matches_the_reference(name, decoder):
     assert causal == (decoder or name == "gpt2") and attn.primal.sampling == "even"
     assert attn.primal.num_samples == (0 if causal else 10)  # p = min(N_max, 5 * 2)
     batch = inputs(name, model.config, length=14, lengths=[14, 9, 3])  # 3 tokens < p: tokens repeat
-    store, handle = _capture(attn)
+    store, handle = capture_layer_io(attn)
     with torch.no_grad():
         model(**batch)
     handle.remove()

@@ -17,7 +17,7 @@ import torch
 from transformers import BertLMHeadModel, DynamicCache, DynamicLayer, GPT2LMHeadModel
 
 from hf_primal.cache import PrimalCacheLayer, cache_nbytes
-from tests.conftest import bert_config, cache_kw, gpt2_config, returned_cache
+from tests.conftest import bert_config, cache_kw, gpt2_config, primal_block_indices, returned_cache
 
 REPO = Path(__file__).resolve().parents[1]
 LAYOUTS = [pytest.param("all", id="all-primal"), pytest.param([-1], id="last-layer-primal")]
@@ -30,10 +30,6 @@ def _gpt2(layers, attn="sdpa", **kw):
     model = GPT2LMHeadModel(config).eval()
     model.generation_config.eos_token_id = None  # run every step; token 0 stays the pad token
     return model
-
-
-def _primal_indices(model):
-    return [i for i, block in enumerate(model.transformer.h) if getattr(block.attn, "_is_primal_attention", False)]
 
 
 def _left_padded(lengths, width=None):
@@ -69,7 +65,7 @@ def test_every_generated_step_matches_a_full_forward(layers):
     assert (steps - full[:, 3:-1]).abs().max() <= 1e-5
     assert torch.equal(cached.sequences, uncached)
     assert len(set(cached.sequences[0, 4:].tolist())) > 5  # not a single repeated token
-    primal = _primal_indices(model)
+    primal = primal_block_indices(model)
     kinds = [PrimalCacheLayer if i in primal else DynamicLayer for i in range(model.config.n_layer)]
     assert [type(layer) for layer in returned_cache(cached).layers] == kinds
 
@@ -186,7 +182,7 @@ def test_primal_state_size_does_not_depend_on_context_length(layers):
     # prompt-lookup decoding) also keeps the states after its last crop_window + 1 tokens: bounded by the window,
     # not by the context (test_generation_modes.py::test_recorded_state_is_bounded_by_the_window).
     model = _gpt2(layers)
-    primal = _primal_indices(model)
+    primal = primal_block_indices(model)
     numel, nbytes = set(), set()
     for length in (3, 17, 50):
         cache = DynamicCache(config=model.config)

@@ -15,7 +15,7 @@ from transformers import DynamicCache, DynamicLayer, GPT2LMHeadModel, StaticCach
 from transformers.generation import CompileConfig
 
 from hf_primal.cache import PrimalCacheLayer, PrimalStaticCacheLayer
-from tests.conftest import cache_kw, gpt2_config, returned_cache
+from tests.conftest import cache_kw, gpt2_config, primal_block_indices, returned_cache
 
 LAYOUTS = [pytest.param("all", id="all-primal"), pytest.param([-1], id="last-layer-primal")]
 HEADS, HEAD_DIM = 4, 8
@@ -29,10 +29,6 @@ def _gpt2(layers, seed=0, attn="sdpa", **primal):
     model = GPT2LMHeadModel(config).eval()
     model.generation_config.eos_token_id = None  # run every step; token 0 stays the pad token
     return model
-
-
-def _primal(model):
-    return [i for i, block in enumerate(model.transformer.h) if getattr(block.attn, "_is_primal_attention", False)]
 
 
 def _greedy(model, ids, **kw):
@@ -77,7 +73,7 @@ def test_generate_with_static_cache_matches_dynamic_cache(layers):
     assert len(set(reference.sequences[0, 9:].tolist())) > 3  # not one repeated token
     cache = returned_cache(static)
     assert isinstance(cache, StaticCache)
-    primal = _primal(model)
+    primal = primal_block_indices(model)
     kinds = [PrimalStaticCacheLayer if i in primal else StaticLayer for i in range(model.config.n_layer)]
     assert [type(layer) for layer in cache.layers] == kinds
     for i in primal:  # fixed (B, H, d) sums and (B,) count, whatever the length
@@ -103,7 +99,7 @@ def test_generate_with_a_user_static_cache_and_from_inputs_embeds(layers):
         )
         dynamic_embeds = model.generate(inputs_embeds=embeds, max_new_tokens=10, do_sample=False)
     assert torch.equal(given, reference.sequences)
-    assert isinstance(cache.layers[_primal(model)[0]], PrimalStaticCacheLayer)
+    assert isinstance(cache.layers[primal_block_indices(model)[0]], PrimalStaticCacheLayer)
     assert torch.equal(from_embeds, dynamic_embeds)
     assert torch.equal(from_embeds, reference.sequences[:, 6:])
 
@@ -118,7 +114,7 @@ def test_static_cache_refuses_attentions_and_overflow_with_clear_errors(layers):
                            return_dict_in_generate=True)
         cache = StaticCache(config=model.config, max_cache_len=6)
         model(ids, **cache_kw(cache), use_cache=True)
-        layer = cache.layers[_primal(model)[0]]
+        layer = cache.layers[primal_block_indices(model)[0]]
         with pytest.raises(ValueError, match="holds 6 tokens"):
             layer.write(layer.state, 2)
 
@@ -258,7 +254,7 @@ def test_crop_beyond_the_window_raises_before_cropping_anything(layers):
     chunk = torch.randint(1, 120, (1, 5))
     ids = torch.cat([chunk, chunk[:, :4]], dim=1)  # its last token occurred before: prompt lookup drafts 5 tokens
     cache = _prefill(model, ids)
-    primal = cache.layers[_primal(model)[0]]
+    primal = cache.layers[primal_block_indices(model)[0]]
     before = primal.state.sum_q.clone()
     assert primal.history_length() == 3  # the states after the last W + 1 tokens
     with pytest.raises(ValueError, match=r"Cannot crop 3 tokens.*crop_window=2"):
@@ -293,7 +289,7 @@ def test_static_cache_crop_is_refused_before_cropping_the_softmax_layer():
 @pytest.mark.parametrize("layers", LAYOUTS)
 def test_recorded_state_is_bounded_by_the_window(layers):
     model = _gpt2(layers, crop_window=5)
-    primal = _primal(model)
+    primal = primal_block_indices(model)
     sizes = set()
     for length in (3, 17, 40):
         cache = _prefill(model, torch.randint(1, 120, (2, length)))

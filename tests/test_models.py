@@ -23,7 +23,7 @@ from transformers import (
 from transformers.models.bert.modeling_bert import BertSelfAttention
 
 from hf_primal import primal_layers
-from tests.conftest import bert_config, gpt2_config, vit_config
+from tests.conftest import bert_config, capture_layer_io, gpt2_config, vit_config
 from tests.reference import reference_causal, reference_noncausal
 
 ARCHS = {
@@ -64,16 +64,6 @@ def test_forward_backward_every_primal_parameter_gets_gradient(arch, layers):
 
 
 # ------------------------------------------------------------------ parity with docs/method.md
-def _capture(module):
-    store = {}
-
-    def hook(mod, args, kwargs, output):
-        store["x"] = args[0] if args else kwargs["hidden_states"]
-        store["out"] = output[0]
-
-    return store, module.register_forward_hook(hook, with_kwargs=True)
-
-
 def _merge(y):
     return y.transpose(1, 2).reshape(y.shape[0], y.shape[2], -1)
 
@@ -87,7 +77,7 @@ def _split(t, heads):
 def test_bert_layer_matches_spec_section_2(padding_side):
     model = BertModel(bert_config(primal_attention={"layers": "all", "low_rank": 5, "rank_multi": 2})).eval()
     attn = model.encoder.layer[1].attention.self
-    store, handle = _capture(attn)
+    store, handle = capture_layer_io(attn)
     ids = torch.randint(1, 120, (3, 14))
     mask = torch.ones(3, 14, dtype=torch.long)
     if padding_side == "right":
@@ -109,7 +99,7 @@ def test_bert_layer_matches_spec_section_2(padding_side):
 def test_gpt2_layer_matches_spec_section_3_with_left_padding():
     model = GPT2Model(gpt2_config(primal_attention={"layers": "all", "low_rank": 5})).eval()
     attn = model.h[1].attn
-    store, handle = _capture(attn)
+    store, handle = capture_layer_io(attn)
     ids = torch.randint(1, 120, (2, 10))
     mask = torch.ones(2, 10, dtype=torch.long)
     mask[1, :4] = 0
@@ -131,7 +121,7 @@ def test_causal_bert_decoder_matches_spec_section_3():
     model = BertLMHeadModel(bert_config(is_decoder=True, primal_attention={"layers": [0], "low_rank": 3})).eval()
     attn = model.bert.encoder.layer[0].attention.self
     assert attn.primal.causal and attn.primal.We.shape == (4, 8, 3)
-    store, handle = _capture(attn)
+    store, handle = capture_layer_io(attn)
     ids = torch.randint(1, 120, (2, 7))
     mask = torch.ones(2, 7, dtype=torch.long)
     mask[0, 5:] = 0
@@ -182,7 +172,7 @@ def test_gpt2_left_padding_invariance(attn_impl):
 
 def test_padding_outputs_are_zero_inside_the_primal_layer():
     model = BertModel(bert_config(primal_attention={"layers": [-1], "low_rank": 4})).eval()
-    store, handle = _capture(model.encoder.layer[1].attention.self)
+    store, handle = capture_layer_io(model.encoder.layer[1].attention.self)
     mask = torch.ones(2, 8, dtype=torch.long)
     mask[0, 5:] = 0
     with torch.no_grad():
