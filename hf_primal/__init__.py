@@ -25,6 +25,10 @@ __all__ = [
     "PrimalTrainer",
     "lora_config",
     "convert",
+    "layer_sensitivity",
+    "LayerSensitivity",
+    "knn_accuracy",
+    "neighbour_overlap",
     "text_batches",
     "enable_remote_code",
     "save_converted",
@@ -49,12 +53,14 @@ def _import_all() -> None:
     from .config import PrimalAttentionConfig
     from .conversion import primal_layers
     from .convert import convert, text_batches
+    from .embedding_metrics import knn_accuracy, neighbour_overlap
     from .hub import enable_remote_code, register_auto_classes, save_converted
     from .lora import lora_config
     from .loss import clear_ksvd_terms, ksvd_loss
     from .models import SUPPORTED_ARCHITECTURES, apply_primal_attention
     from .patching import install_hooks
     from .primal import KSVDTerms, PrimalCore
+    from .selection import LayerSensitivity, layer_sensitivity
     from .trainer import PrimalTrainer
 
     # Bind after every import: importing a submodule sets a package attribute of the same name (`convert`).

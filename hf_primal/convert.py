@@ -15,75 +15,22 @@ both measured on calibration batches held out from training:
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any, Optional, Union
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from .calibration import as_batches, collect_batches, heldout_indices, text_batches
 from .config import PrimalAttentionConfig
 from .distill import distill, frozen_copy
 from .hub import enable_remote_code
 from .layers import valid_tokens
-from .models import apply_primal_attention, find_architecture
+from .models import find_architecture
+from .selection import choose_layers, swap_to_primal
 
-
-def _batches(data: Any, batch_size: int) -> Iterable[Mapping[str, torch.Tensor]]:
-    """Accept a DataLoader / iterable of dict batches, or a `datasets.Dataset` of model inputs."""
-    try:
-        from datasets import Dataset
-    except ImportError:  # pragma: no cover - datasets is a dependency
-        Dataset = ()
-    if isinstance(data, Dataset):
-        columns = [
-            c for c in ("input_ids", "attention_mask", "token_type_ids", "pixel_values") if c in data.column_names
-        ]
-        if not columns:
-            raise ValueError(
-                f"calibration_data: the dataset has columns {data.column_names}; expected tokenised model inputs "
-                "(input_ids[, attention_mask]) or pixel_values."
-            )
-        data = data.with_format("torch", columns=columns)
-        return torch.utils.data.DataLoader(data, batch_size=batch_size, collate_fn=_pad_collate)
-    if isinstance(data, Mapping):
-        return [data]
-    return data
-
-
-def text_batches(
-    tokenizer: Any, texts: list[str], batch_size: int = 32, max_length: int = 128
-) -> list[dict[str, torch.Tensor]]:
-    """Tokenised batches of `texts` for `convert`, grouped by length so that little compute goes to padding.
-
-    Sorting by length before batching makes distillation on short sentences about twice as fast as random batches
-    padded to their longest member; the batch order is still mixed during training.
-    """
-    if not texts:
-        raise ValueError("text_batches: no texts given.")
-    if getattr(tokenizer, "pad_token", None) is None and getattr(tokenizer, "eos_token", None) is not None:
-        tokenizer.pad_token = tokenizer.eos_token
-    lengths = [len(ids) for ids in tokenizer(list(texts), truncation=True, max_length=max_length)["input_ids"]]
-    order = sorted(range(len(texts)), key=lambda i: lengths[i])
-    return [
-        dict(tokenizer([texts[i] for i in order[start:start + batch_size]], padding=True, truncation=True,
-                       max_length=max_length, return_tensors="pt"))
-        for start in range(0, len(order), batch_size)
-    ]
-
-
-def _pad_collate(rows: list[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    out = {}
-    for key in rows[0]:
-        values = [torch.as_tensor(r[key]) for r in rows]
-        if values[0].dim() == 1 and len({v.shape[0] for v in values}) > 1:
-            out[key] = torch.nn.utils.rnn.pad_sequence(values, batch_first=True, padding_value=0)
-        else:
-            out[key] = torch.stack(values)
-    if "input_ids" in out and "attention_mask" not in out:
-        lengths = torch.tensor([torch.as_tensor(r["input_ids"]).shape[0] for r in rows])
-        out["attention_mask"] = (torch.arange(out["input_ids"].shape[1])[None] < lengths[:, None]).long()
-    return out
+__all__ = ["METHODS", "convert", "text_batches"]
 
 
 def _relative_error(
@@ -129,6 +76,9 @@ def convert(
     target: str = "layer",
     distill_target: str = "hidden",
     temperature: float = 2.0,
+    layers: Union[str, list[int], None] = None,
+    num_primal_layers: Optional[int] = None,
+    sensitivity_steps: int = 50,
     progress: bool = True,
 ) -> nn.Module:
     """Make the layers chosen by `config` primal, in place, and return the model ready to save or share.
@@ -155,6 +105,12 @@ def convert(
             ``"logits"`` (KL of the head's softened distributions, with `temperature`; for pretrained heads such as
             masked / causal LM heads) or ``"auto"`` (logits for models with a head, hidden states for base models).
         temperature: softmax temperature of the logits KL term.
+        layers: which layers to convert, overriding ``config.layers``: ``"auto"`` (the `num_primal_layers` cheapest
+            layers, ranked by `hf_primal.layer_sensitivity` on `calibration_data` with `sensitivity_steps`
+            distillation steps per layer; the ranking goes into the report and the model card), ``"last"`` (the last
+            `num_primal_layers`), ``"all"`` or a list of indices.
+        num_primal_layers: with ``layers="auto"`` or ``"last"``, how many layers to convert (1 .. number of layers).
+        sensitivity_steps: distillation steps per layer when ``layers="auto"`` measures the layers.
         batch_size: batch size when `calibration_data` is a `datasets.Dataset`.
         max_batches: use at most this many calibration batches.
         train_qk: with ``target="attention"``, also fit the q/k projections.
@@ -184,6 +140,12 @@ def convert(
         learning_rate = 5e-4 if method == "distill" else 3e-3
     if (steps is not None and steps < 0) or not learning_rate > 0:
         raise ValueError(f"convert: steps={steps} must be >= 0 and learning_rate={learning_rate} > 0.")
+    if layers == "auto" and calibration_data is not None:  # measured and adapted on the same batches
+        calibration_data = collect_batches(calibration_data, batch_size, max_batches)
+    spec, sensitivity = choose_layers(
+        model, spec, calibration_data, layers, num_primal_layers, steps=sensitivity_steps, learning_rate=learning_rate
+        if method == "distill" else 5e-4, primal_learning_rate=primal_learning_rate, pooled_weight=pooled_weight,
+        progress=progress)
     base = getattr(model, model.base_model_prefix, model)
     layer_list = architecture.list_layers(base)
     selected = spec.resolve_layers(len(layer_list))
@@ -195,28 +157,21 @@ def convert(
     records: dict[int, dict] = {}
     teacher, distill_batches = None, None
     if calibration_data is not None and method == "distill":
-        distill_batches = _collect_batches(calibration_data, batch_size, max_batches)
+        distill_batches = collect_batches(calibration_data, batch_size, max_batches)
         teacher = frozen_copy(model)
     elif calibration_data is not None:
         records = _record_teacher(model, [fitted[i] for i in selected], selected, calibration_data,
-                                  batch_size, max_batches, progress, causal)
+                                  batch_size, max_batches, progress, causal, architecture.attention_class)
 
-    model.config.primal_attention = spec.to_dict()
-    ignore = apply_primal_attention(model)
-    already_ignored = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
-    model._keys_to_ignore_on_load_unexpected = already_ignored | set(ignore)
-    # PrimalCore initialised W_e, W_r and Lambda when it was built (docs/method.md, "Initialisation"); its head map
-    # gets the model's own Linear initialisation, as the load-time hook `_init_weights` would give it.
-    std = getattr(model.config, "initializer_range", 0.02)
-    for index in selected:
-        core = layer_list[index][1].primal
-        with torch.no_grad():
-            core.head_map.weight.normal_(0.0, std)
-            core.head_map.bias.zero_()
+    swap_to_primal(model, spec)
 
     report: dict[str, Any] = {"calibration": "none", "method": "none", "layers": []}
+    if sensitivity is not None:
+        report["layer_selection"] = {**sensitivity.to_dict(), "chosen": selected}
+        if progress:
+            print(f"[hf_primal] layer sensitivity (cheapest first): {sensitivity.ranking}; converting {selected}")
     if distill_batches is not None:
-        n_train = len(distill_batches) - len(range(len(distill_batches) - 1, -1, -5))
+        n_train = len(distill_batches) - len(heldout_indices(len(distill_batches)))
         steps = steps if steps is not None else max(1, 4 * n_train)
         result = distill(model, teacher, distill_batches, steps=steps, learning_rate=learning_rate,
                          primal_learning_rate=primal_learning_rate, target=distill_target, temperature=temperature,
@@ -272,22 +227,9 @@ def _verdict(before: float, after: float, what: str) -> str:
     return f"no meaningful improvement: {what} changed the held-out error by {100 * gain:.1f}% only; {advice}"
 
 
-def _collect_batches(data: Any, batch_size: int, max_batches: Optional[int]) -> list[dict[str, torch.Tensor]]:
-    batches = []
-    for n, batch in enumerate(_batches(data, batch_size)):
-        if max_batches is not None and n >= max_batches:
-            break
-        batches.append({k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and k != "labels"})
-    if len(batches) < 2:
-        raise ValueError(
-            f"convert: calibration_data produced {len(batches)} batch(es); distillation needs at least 2 (one is held "
-            "out to choose the kept step)."
-        )
-    return batches
-
-
 @torch.no_grad()
-def _record_teacher(model, modules, indices, data, batch_size, max_batches, progress, causal) -> dict[int, dict]:
+def _record_teacher(model, modules, indices, data, batch_size, max_batches, progress, causal,
+                    attention_class) -> dict[int, dict]:
     """Run the stock model once, keeping each selected module's call (args, kwargs), output and attention mask.
 
     `modules` are what gets fitted (attention modules or whole transformer blocks); the mask is read from the
@@ -300,7 +242,7 @@ def _record_teacher(model, modules, indices, data, batch_size, max_batches, prog
             records[index]["call"].append((args, kwargs))
             records[index]["y"].append((output[0] if isinstance(output, tuple) else output).detach())
         handles.append(module.register_forward_hook(hook, with_kwargs=True))
-        attention = next(m for m in module.modules() if any(hasattr(m, n) for n in ("query", "q_proj", "c_attn")))
+        attention = next(m for m in module.modules() if isinstance(m, attention_class))
 
         def mask_hook(mod, args, kwargs, output, index=index):
             records[index]["mask"].append(kwargs.get("attention_mask", args[2] if len(args) > 2 else None))
@@ -309,7 +251,7 @@ def _record_teacher(model, modules, indices, data, batch_size, max_batches, prog
     model.eval()
     device = next(model.parameters()).device
     try:
-        batches = _batches(data, batch_size)
+        batches = as_batches(data, batch_size)
         for n, batch in enumerate(tqdm(batches, desc="calibration: teacher outputs", disable=not progress)):
             if max_batches is not None and n >= max_batches:
                 break
@@ -352,7 +294,7 @@ def _fit_layer(module, record, steps, learning_rate, qk_names, progress, name) -
     module.eval()  # no dropout while fitting
 
     batches = list(zip(record["call"], record["mask"], record["y"]))
-    held_out = set(range(len(batches) - 1, -1, -5)) if len(batches) >= 2 else set()
+    held_out = heldout_indices(len(batches)) if len(batches) >= 2 else set()
     held = [b for i, b in enumerate(batches) if i in held_out] or batches
     train = [b for i, b in enumerate(batches) if i not in held_out] or batches
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from .calibration import HELDOUT_EVERY, heldout_indices
 from .config import PrimalAttentionConfig
 from .loss import ksvd_loss, primal_model
 
@@ -206,7 +207,7 @@ def distill(
     temperature: float = 2.0,
     pooled_weight: float = 1.0,
     ksvd_weight: Optional[float] = None,
-    heldout_every: int = 5,
+    heldout_every: int = HELDOUT_EVERY,
     eval_every: Optional[int] = None,
     seed: int = 0,
     progress: bool = True,
@@ -242,7 +243,7 @@ def distill(
         raise ValueError(
             f"distill: got {len(batches)} batch(es); at least 2 are needed (one is held out to choose the kept step)."
         )
-    held_idx = set(range(len(batches) - 1, -1, -heldout_every))
+    held_idx = heldout_indices(len(batches), heldout_every)
     held = [b for i, b in enumerate(batches) if i in held_idx]
     train = [b for i, b in enumerate(batches) if i not in held_idx]
     device = next(student.parameters()).device

@@ -70,6 +70,14 @@ def model_card(model: Any) -> str:
         if per_layer:
             lines += ["", "| layer | relative output error before | after |", "|---|---|---|"]
             lines += [f"| `{r['layer']}` | {r['error_before']:.4f} | {r['error_after']:.4f} |" for r in per_layer]
+        selection = report.get("layer_selection")
+        if selection:
+            lines += ["", "### Layer selection", "",
+                      f"Layers ranked by measured conversion cost, cheapest first: {selection['ranking']} (each layer "
+                      f"alone made primal and distilled for {selection['steps']} steps; held-out distillation loss "
+                      f"below). Converted: {selection['chosen']}.", "",
+                      "| layer | held-out loss after the swap | after distillation |", "|---|---|---|"]
+            lines += [f"| `{c['layer']}` | {c['loss_before']:.4f} | {c['loss_after']:.4f} |" for c in selection["costs"]]
         if report.get("verdict"):
             lines += ["", f"Verdict: {report['verdict']}."]
         for key, value in report.get("metrics", {}).items():
