@@ -77,7 +77,8 @@ def model_card(model: Any) -> str:
                       f"alone made primal and distilled for {selection['steps']} steps; held-out distillation loss "
                       f"below). Converted: {selection['chosen']}.", "",
                       "| layer | held-out loss after the swap | after distillation |", "|---|---|---|"]
-            lines += [f"| `{c['layer']}` | {c['loss_before']:.4f} | {c['loss_after']:.4f} |" for c in selection["costs"]]
+            lines += [f"| `{c['layer']}` | {c['loss_before']:.4f} | {c['loss_after']:.4f} |"
+                      for c in selection["costs"]]
         if report.get("verdict"):
             lines += ["", f"Verdict: {report['verdict']}."]
         for key, value in report.get("metrics", {}).items():
