@@ -13,6 +13,8 @@ import torch
 # Every HELDOUT_EVERY-th calibration batch, counting from the last, is held out: never trained on, used to measure
 # the error and to choose the kept step.
 HELDOUT_EVERY = 5
+# The columns of a `datasets.Dataset` that are model inputs (everything else, labels included, is left out).
+MODEL_INPUT_COLUMNS = ("input_ids", "attention_mask", "token_type_ids", "pixel_values")
 
 
 def heldout_indices(num_batches: int, every: int = HELDOUT_EVERY) -> set[int]:
@@ -27,9 +29,7 @@ def as_batches(data: Any, batch_size: int) -> Iterable[Mapping[str, torch.Tensor
     except ImportError:  # pragma: no cover - datasets is a dependency
         Dataset = ()
     if isinstance(data, Dataset):
-        columns = [
-            c for c in ("input_ids", "attention_mask", "token_type_ids", "pixel_values") if c in data.column_names
-        ]
+        columns = [c for c in MODEL_INPUT_COLUMNS if c in data.column_names]
         if not columns:
             raise ValueError(
                 f"calibration_data: the dataset has columns {data.column_names}; expected tokenised model inputs "

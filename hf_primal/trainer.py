@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from transformers import Trainer
 
+from .calibration import MODEL_INPUT_COLUMNS
 from .compat import check_trainer_instance
 from .config import PrimalAttentionConfig
 from .distill import check_compatible, resolve_target, student_teacher_loss
@@ -70,6 +71,9 @@ class PrimalTrainer(Trainer):
         distill_temperature: softmax temperature of the logits KL term (the term is multiplied by T^2).
         distill_target: ``"logits"`` (KL between the heads' distributions), ``"hidden"`` (final hidden states and
             mean-pooled embeddings, for base / embedding models) or ``"auto"`` (logits when the model has a head).
+        distill_dataset: optional unlabeled inputs (a `datasets.Dataset` with ``input_ids`` etc.; other columns are
+            ignored) for the teacher: every training step also distils on one batch of it (same batch size and
+            collator as training), which lets a few hundred labels go much further (docs/conversion.md).
         primal_learning_rate: learning rate of the new primal parameters (W_e, W_r, Lambda, head map), in a parameter
             group of their own; the default is ``args.learning_rate`` (measured: 10x gave no gain when fine-tuning a
             converted model). Override `create_optimizer` as with any Trainer for other groupings.
@@ -89,6 +93,7 @@ class PrimalTrainer(Trainer):
         distill_temperature: float = 2.0,
         distill_target: str = "auto",
         primal_learning_rate: Optional[float] = None,
+        distill_dataset: Any = None,
         **kwargs: Any,
     ):
         _declare_causal_lm_loss(kwargs["model"] if "model" in kwargs else (args[0] if args else None))
@@ -132,6 +137,10 @@ class PrimalTrainer(Trainer):
             # need not search the graph for unused ones.
             self.args.ddp_find_unused_parameters = False
         self._setup_teacher(teacher, distill_weight, distill_temperature, distill_target)
+        if distill_dataset is not None and teacher is None:
+            raise ValueError("PrimalTrainer: distill_dataset=... needs a teacher=... model to distil from.")
+        self.distill_dataset = distill_dataset
+        self._distill_batches = None
         if primal_learning_rate is not None and not (
             isinstance(primal_learning_rate, (int, float)) and not isinstance(primal_learning_rate, bool)
             and 0 < primal_learning_rate < float("inf")
@@ -218,6 +227,39 @@ class PrimalTrainer(Trainer):
             outputs, teacher_out, inputs.get("attention_mask"), self.distill_target, self.distill_temperature
         )
 
+    def _next_distill_batch(self) -> dict[str, torch.Tensor]:
+        """The next batch of `distill_dataset` (reshuffled each pass, sharded across processes like training)."""
+        if self._distill_batches is None:
+            data = self.distill_dataset
+            names = getattr(data, "column_names", None)
+            if names is not None:
+                keep = [c for c in MODEL_INPUT_COLUMNS if c in names]
+                if not keep:
+                    raise ValueError(f"PrimalTrainer: distill_dataset has columns {names}; expected tokenised model "
+                                     f"inputs ({', '.join(MODEL_INPUT_COLUMNS)}).")
+                data = data.remove_columns([c for c in names if c not in keep])
+            generator = torch.Generator().manual_seed(self.args.seed)
+            loader = torch.utils.data.DataLoader(data, batch_size=self.args.per_device_train_batch_size, shuffle=True,
+                                                 generator=generator, collate_fn=self.data_collator, drop_last=False)
+            self._distill_loader = self.accelerator.prepare(loader)
+            self._distill_batches = iter(())
+        batch = next(self._distill_batches, None)
+        if batch is None:
+            self._distill_batches = iter(self._distill_loader)
+            batch = next(self._distill_batches)
+        return {k: v.to(self.args.device) for k, v in batch.items() if k not in ("labels", "label")}
+
+    def _unlabeled_terms(self, model) -> tuple[torch.Tensor, torch.Tensor]:
+        """(distillation, KSVD) terms of one `distill_dataset` batch: the student against the teacher."""
+        inputs = self._next_distill_batch()
+        extra = {"output_hidden_states": True} if self.distill_target == "hidden" and resolve_target(
+            model, "auto") == "logits" else {}
+        outputs = model(**inputs, **extra)
+        distill = self._distill_term(model, inputs, outputs)
+        ksvd = ksvd_from_terms(collect_ksvd_terms(model), self.ksvd_reduction)
+        clear_ksvd_terms(model)
+        return distill, ksvd
+
     # ------------------------------------------------------------------ loss
     def _loss_is_scaled(self, num_items_in_batch) -> bool:
         if self.loss_is_scaled_for_ga is not None:
@@ -251,6 +293,10 @@ class PrimalTrainer(Trainer):
         steps = max(int(getattr(self, "current_gradient_accumulation_steps", 1) or 1), 1)
         factor = 1.0 / steps if scaled else 1.0
         loss = task_loss + (self.ksvd_weight * factor) * ksvd.to(task_loss.dtype)
+        if distilling and self.distill_dataset is not None:
+            unlabeled, unlabeled_ksvd = self._unlabeled_terms(model)
+            distill, ksvd = distill + unlabeled, ksvd + unlabeled_ksvd
+            loss = loss + (self.ksvd_weight * factor) * unlabeled_ksvd.to(task_loss.dtype)
         if distilling:
             loss = loss + (self.distill_weight * factor) * distill.to(task_loss.dtype)
             self._distill_sum += distill.detach().double().cpu()

@@ -229,3 +229,55 @@ def test_primal_parameters_get_their_own_learning_rate(tmp_path):
         assert [g for g in groups if g[0] == primal] == [(primal, lr, 0.0)]  # one group, exactly the primal tensors
         assert all(g_lr == 2e-4 for names_, g_lr, _ in groups if names_ != primal)
         assert set().union(*(g[0] for g in groups)) == set(names.values())
+
+
+def test_trainer_distill_dataset_adds_the_unlabeled_batch_terms(tmp_path):
+    """One step with distill_dataset: the gradient of task + eta*KSVD + w*KD on the labelled batch plus w*KD +
+    eta*KSVD on one unlabeled batch, computed here by hand."""
+    from hf_primal import ksvd_loss
+    from tests.test_loss_trainer import _GradCapture
+
+    labelled, unlabeled = _cls_dataset(n=8, seed=0), _cls_dataset(n=8, seed=9).remove_columns(["labels"])
+    weight, temperature = 0.7, 2.0
+    torch.manual_seed(0)
+    model = _primal_cls()
+    reference = copy.deepcopy(model)
+    teacher = _teacher_cls()
+    capture = _GradCapture()
+    args = _args(tmp_path, per_device_train_batch_size=8, max_steps=1, logging_steps=1)
+    trainer = PrimalTrainer(model=model, args=args,
+                            train_dataset=labelled, callbacks=[capture], teacher=teacher, distill_weight=weight,
+                            distill_temperature=temperature, distill_target="logits", distill_dataset=unlabeled)
+    trainer.train()
+
+    def kd(student_logits, teacher_logits):
+        p = F.softmax(teacher_logits / temperature, -1)
+        return (p * (p.log() - F.log_softmax(student_logits / temperature, -1))).sum(-1).mean() * temperature ** 2
+
+    reference.train()
+    total = 0.0
+    for data, labels in ((labelled, True), (unlabeled, False)):
+        inputs = {k: torch.tensor(data[k]) for k in ("input_ids", "attention_mask")}
+        out = reference(**inputs, **({"labels": torch.tensor(data["labels"])} if labels else {}))
+        with torch.no_grad():
+            target = teacher(**inputs).logits
+        total = total + (out.loss if labels else 0.0) + 0.5 * ksvd_loss(reference) + weight * kd(out.logits, target)
+    total.backward()
+    expected = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    assert expected.keys() == capture.grads.keys()
+    for name, grad in expected.items():
+        torch.testing.assert_close(capture.grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    logged = [h for h in trainer.state.log_history if "distill_loss" in h]
+    assert logged and logged[0]["distill_loss"] > 0
+
+
+def test_trainer_distill_dataset_needs_a_teacher_and_model_inputs(tmp_path):
+    with pytest.raises(ValueError, match="distill_dataset=... needs a teacher"):
+        PrimalTrainer(model=_primal_cls(), args=_args(tmp_path), distill_dataset=_cls_dataset())
+    from datasets import Dataset
+
+    trainer = PrimalTrainer(model=_primal_cls(), args=_args(tmp_path, max_steps=1, per_device_train_batch_size=4),
+                            train_dataset=_cls_dataset(), teacher=_teacher_cls(),
+                            distill_dataset=Dataset.from_dict({"text": ["a", "b"]}))
+    with pytest.raises(ValueError, match=r"distill_dataset has columns \['text'\]"):
+        trainer.train()
