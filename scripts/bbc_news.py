@@ -92,3 +92,66 @@ def load(train_size: int = 3200, test_size: int = 1075, unlabeled_size: int = 30
     unlabeled = [row[0] for row in train_pool[train_size:train_size + unlabeled_size]]
     train, test = (Split(*map(list, zip(*rows))) for rows in (train_pool[:train_size], test_pool[:test_size]))
     return train, test, unlabeled
+
+
+# ---------------------------------------------------------------------------------------------- small-label tasks
+@dataclass
+class Task:
+    """One labelled task: (text, label) rows per split; articles never cross splits."""
+
+    name: str
+    train: list[tuple[str, int]]
+    validation: list[tuple[str, int]]
+    test: list[tuple[str, int]]
+
+
+def _article_splits(seed: int) -> dict[str, list[tuple[str, list[str], int]]]:
+    """(headline, sentences, label) of each article: 60% train, 15% validation, 25% test, per topic (seeded)."""
+    root = corpus_dir()
+    rng = random.Random(seed)
+    out: dict[str, list] = {"train": [], "validation": [], "test": []}
+    for label, topic in enumerate(TOPICS):
+        files = sorted((root / topic).glob("*.txt"))
+        rng.shuffle(files)
+        for i, path in enumerate(files):
+            text = path.read_text(encoding="latin-1")
+            split = "test" if i >= int(0.75 * len(files)) else "validation" if i >= int(0.6 * len(files)) else "train"
+            out[split].append((text.split("\n", 1)[0].strip(), _sentences(text), label))
+    return out
+
+
+def load_tasks(num_labels: int = 400, seed: int = 0, validation_size: int = 800, test_size: int = 1075):
+    """Two small-label topic tasks and an unlabeled pool, all from BBC News, split by article.
+
+    * ``sentences``: the topic of one sentence of an article;
+    * ``headlines``: the topic of an article's headline (about five words: little evidence, so what the pretrained
+      representation knows about words matters most).
+
+    Each task has `num_labels` labelled training rows (the label budget), a validation split (from articles of
+    their own, for choosing settings) and a test split (held-out articles, untouched until the final table). A text
+    that occurs in an earlier split is dropped from the later ones. ``unlabeled`` holds the other training-article
+    sentences and headlines, for distillation. Returns ``({"sentences": Task, "headlines": Task}, unlabeled)``.
+    """
+    articles = _article_splits(seed)
+    rng = random.Random(seed + 1)
+    seen: set[str] = set()
+    rows: dict[str, dict[str, list[tuple[str, int]]]] = {"sentences": {}, "headlines": {}}
+    for split in ("train", "validation", "test"):
+        for kind in rows:
+            unique: dict[str, int] = {}
+            for headline, sentences, label in articles[split]:
+                for text in (sentences if kind == "sentences" else [headline]):
+                    if text not in seen:
+                        unique.setdefault(text, label)
+            rows[kind][split] = list(unique.items())
+            rng.shuffle(rows[kind][split])
+        seen |= {text for kind in rows for text, _ in rows[kind][split]}
+    unlabeled = [text for kind in rows for text, _ in rows[kind]["train"][num_labels:]]
+    rng.shuffle(unlabeled)
+    tasks = {
+        kind: Task(kind, splits["train"][:num_labels],
+                   splits["validation"][:validation_size] if kind == "sentences" else splits["validation"],
+                   splits["test"][:test_size] if kind == "sentences" else splits["test"])
+        for kind, splits in rows.items()
+    }
+    return tasks, unlabeled

@@ -76,6 +76,7 @@ def _seed():
 # "Tests"); tests/test_markers.py checks that every entry names an existing test.
 SLOW = {
     "test_benchmark_conversion.py",
+    "test_benchmark_conversion_tasks.py",
     "test_benchmark_peers.py",
     "test_benchmark_script.py",
     "test_compile.py",
