@@ -29,6 +29,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _layers(value: str):
+    if value.strip().lower() in ("auto", "last"):  # convert's measured / last-K choice, with --num-primal-layers
+        return value.strip().lower()
     try:
         return parse_layers(value)
     except ValueError as error:
@@ -70,7 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("src", help="local model folder (or Hub id where the network allows)")
     conv.add_argument("out", help="output folder")
     conv.add_argument("--layers", type=_layers, default=_DEFAULTS.layers,
-                      help=f"'all' or indices, e.g. -1 or 0,3 (default {','.join(map(str, _DEFAULTS.layers))})")
+                      help=f"'all', indices such as -1 or 0,3, or 'auto' / 'last' with --num-primal-layers K: the K "
+                           "layers that cost least to convert (measured on --calibration) / the last K "
+                           f"(default {','.join(map(str, _DEFAULTS.layers))})")
+    conv.add_argument("--num-primal-layers", type=int, default=None, metavar="K",
+                      help="with --layers auto or last: how many layers to convert")
+    conv.add_argument("--sensitivity-steps", type=int, default=50,
+                      help="with --layers auto: distillation steps per layer when measuring (default 50)")
     conv.add_argument("--low-rank", type=int, default=_DEFAULTS.low_rank,
                       help=f"low_rank s: rank of the primal projections (default {_DEFAULTS.low_rank})")
     conv.add_argument("--rank-multi", type=int, default=_DEFAULTS.rank_multi,
@@ -212,14 +220,20 @@ def _demo(args: argparse.Namespace) -> int:
 def _convert(args: argparse.Namespace) -> int:
     check_source(args.src)
     hf_primal = _plugin()
-    spec = hf_primal.PrimalAttentionConfig(layers=args.layers, low_rank=args.low_rank, rank_multi=args.rank_multi,
-                                           eta=args.eta)
+    choice = args.layers if isinstance(args.layers, str) and args.layers in ("auto", "last") else None
+    if choice is None and args.num_primal_layers is not None:
+        raise CLIError(f"--num-primal-layers {args.num_primal_layers} needs --layers auto or last")
+    spec = hf_primal.PrimalAttentionConfig(layers=_DEFAULTS.layers if choice else args.layers, low_rank=args.low_rank,
+                                           rank_multi=args.rank_multi, eta=args.eta)
     model, processor = _load_for_conversion(args.src)
     data = None
     if args.calibration:
         data = _calibration_batches(args.calibration, processor, args.max_length, args.batch_size)
+    if choice is not None and args.num_primal_layers is None:
+        raise CLIError(f"--layers {choice} needs --num-primal-layers K (how many layers to convert)")
     model = hf_primal.convert(model, spec, calibration_data=data, method=args.method, steps=args.steps,
-                              learning_rate=args.learning_rate, target=args.calibration_target)
+                              learning_rate=args.learning_rate, target=args.calibration_target, layers=choice,
+                              num_primal_layers=args.num_primal_layers, sensitivity_steps=args.sensitivity_steps)
     if data is not None:
         model.primal_conversion_report["calibration"] = (
             f"{os.path.basename(args.calibration)}; " + model.primal_conversion_report["calibration"]
@@ -227,6 +241,9 @@ def _convert(args: argparse.Namespace) -> int:
     hf_primal.save_converted(model, args.out, processor=processor)
     print(f"converted {len(hf_primal.primal_layers(model))} layer(s) of {args.src} -> {args.out}")
     report = model.primal_conversion_report
+    if "layer_selection" in report:
+        selection = report["layer_selection"]
+        print(f"  layer sensitivity, cheapest first: {selection['ranking']}; converted {selection['chosen']}")
     for row in report["layers"]:
         print(f"  {row['layer']}: relative output error {row['error_before']:.4f} -> {row['error_after']:.4f}")
     if "distillation" in report:

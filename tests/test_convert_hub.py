@@ -349,8 +349,8 @@ def test_cli_rejects_bad_layers(capsys):
     from hf_primal.cli import main
 
     with pytest.raises(SystemExit):
-        main(["convert", "a", "b", "--layers", "last"])
-    assert "--layers 'last' is not allowed" in capsys.readouterr().err
+        main(["convert", "a", "b", "--layers", "best"])
+    assert "--layers 'best' is not allowed" in capsys.readouterr().err
 
 
 def test_demo_reduced_mode(tmp_path, capsys):

@@ -116,3 +116,31 @@ def test_bad_layer_choices_are_refused():
     with pytest.raises(ValueError, match="steps=0"):
         layer_sensitivity(model, _batches("bert"), SPEC, steps=0)
     assert model.config.primal_attention is None
+
+
+def test_cli_converts_the_measured_layers(tmp_path, capsys):
+    from transformers import AutoTokenizer, BertModel
+
+    from hf_primal.cli import main
+    from hf_primal.demo import minilm_path
+
+    src = tmp_path / "src"
+    torch.manual_seed(0)
+    BertModel(bert_config(vocab_size=30522, num_hidden_layers=3, initializer_range=0.2)).save_pretrained(src)
+    AutoTokenizer.from_pretrained(minilm_path()).save_pretrained(src)
+    text = tmp_path / "calib.txt"
+    words = "the city weather market river music school garden train letter bright quiet early".split()
+    text.write_text("\n".join(" ".join(words[(i * 5 + j) % len(words)] for j in range(4 + i % 5)) for i in range(40)))
+    assert main(["convert", str(src), str(tmp_path / "out"), "--low-rank", "4", "--calibration", str(text),
+                 "--layers", "auto", "--num-primal-layers", "2", "--sensitivity-steps", "3", "--steps", "3",
+                 "--batch-size", "8"]) == 0
+    report = json.loads((tmp_path / "out" / "primal_conversion.json").read_text())
+    chosen = report["layer_selection"]["chosen"]
+    assert chosen == sorted(report["layer_selection"]["ranking"][:2])
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["primal_attention"]["layers"] == chosen
+    assert f"converted {chosen}" in capsys.readouterr().out
+    for argv, message in ((["--layers", "auto"], "needs --num-primal-layers"),
+                          (["--layers", "0", "--num-primal-layers", "1"], "needs --layers auto or last"),
+                          (["--layers", "auto", "--num-primal-layers", "7"], r"num_primal_layers=7 is not allowed")):
+        assert main(["convert", str(src), str(tmp_path / "bad"), "--calibration", str(text), *argv]) == 1
+        assert message in capsys.readouterr().err
