@@ -132,9 +132,11 @@ def layer_sensitivity(
         torch.manual_seed(seed)  # the same primal initialisation draw for every layer
         candidate = copy.deepcopy(model)
         swap_to_primal(candidate, dataclasses.replace(spec, layers=[index]))
+        # Held out once before and once after (not along the way): the cost of a layer is where its short
+        # distillation ends, and a ranking of L layers stays L short distillations.
         result = distill(candidate, teacher, batches, steps=steps, learning_rate=learning_rate,
                          primal_learning_rate=primal_learning_rate, target=distill_target,
-                         pooled_weight=pooled_weight, seed=seed, progress=False, causal=causal)
+                         pooled_weight=pooled_weight, seed=seed, progress=False, causal=causal, eval_every=steps)
         costs.append(LayerCost(index, names[index], result.loss_before, result.loss_after, result.cosine_after))
         del candidate
     return LayerSensitivity(tuple(costs), steps, len(batches))
