@@ -117,10 +117,17 @@ def test_ksvd_loss_errors():
 
 def test_lambda_gets_gradient_only_through_ksvd():
     model = BertModel(bert_config(primal_attention={"layers": [-1], "low_rank": 3}))
-    model(input_ids=torch.randint(1, 120, (2, 5)))
+    core = model.encoder.layer[1].attention.self.primal
+    ids = torch.randint(1, 120, (2, 5))
+    # A task loss alone: Lambda is in the graph (so distributed training sees it used) but gets exactly zero,
+    # while the projections it would regularise do get a gradient.
+    model(input_ids=ids).last_hidden_state.square().sum().backward()
+    assert core.Lambda.grad is not None and torch.equal(core.Lambda.grad, torch.zeros_like(core.Lambda))
+    assert core.We.grad.abs().sum() > 0
+    model.zero_grad(set_to_none=True)
+    model(input_ids=ids)
     ksvd_loss(model).backward()
-    lam = model.encoder.layer[1].attention.self.primal.Lambda
-    assert lam.grad is not None and lam.grad.abs().sum() > 0
+    assert core.Lambda.grad is not None and core.Lambda.grad.abs().sum() > 0
 
 
 # ------------------------------------------------------------------ trainer

@@ -87,3 +87,21 @@ def test_readme_figures_are_those_of_the_results_files():
     assert demo["quick"] is False
     for line in demo_table_rows(demo):
         assert line in README, line
+
+
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+
+
+def test_every_python_block_of_the_docs_runs_as_pasted(tmp_path):
+    ran = 0
+    for doc in DOCS:
+        blocks = re.findall(r"```python\n(.*?)```", doc.read_text(encoding="utf-8"), flags=re.S)
+        if not blocks:
+            continue
+        script = tmp_path / f"{doc.stem}_blocks.py"
+        script.write_text("\n\n".join(blocks), encoding="utf-8")
+        result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=_env(), capture_output=True,
+                                text=True, timeout=900)
+        assert result.returncode == 0, doc.name + "\n" + result.stdout[-2000:] + result.stderr[-4000:]
+        ran += 1
+    assert ran >= 1
