@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from .calibration import as_batches, collect_batches, heldout_indices, text_batches
 from .config import PrimalAttentionConfig
-from .distill import distill, frozen_copy
+from .distill import distill, frozen_copy, heldout_neighbour_overlap
 from .hub import enable_remote_code
 from .layers import valid_tokens
 from .models import find_architecture
@@ -177,6 +177,8 @@ def convert(
                          primal_learning_rate=primal_learning_rate, target=distill_target, temperature=temperature,
                          pooled_weight=pooled_weight,
                          progress=progress, causal=causal)
+        held = [b for i, b in enumerate(distill_batches) if i in heldout_indices(len(distill_batches))]
+        overlap = heldout_neighbour_overlap(model, teacher, held, causal)
         del teacher
         report["method"] = "distill"
         report["calibration"] = (
@@ -184,12 +186,15 @@ def convert(
             f"model, {steps} AdamW steps (lr {learning_rate}, primal lr {primal_learning_rate}), kept step "
             f"{result.best_step}"
         )
-        report["distillation"] = result.to_dict()
+        report["distillation"] = {**result.to_dict(), "neighbour_overlap": overlap}
         report["verdict"] = _verdict(result.loss_before, result.loss_after, "distillation")
         if progress:
             cos = (f"; mean-pooled embedding cosine {result.cosine_before:.4f} -> {result.cosine_after:.4f}"
                    if result.cosine_after is not None else "")
             print(f"[hf_primal] distillation: held-out loss {result.loss_before:.4f} -> {result.loss_after:.4f}{cos}")
+            if overlap is not None:
+                print(f"[hf_primal] held-out {overlap['k']}-nearest-neighbour overlap with the original: "
+                      f"{overlap['overlap']:.3f} ({overlap['queries']} queries)")
     elif records:
         steps = 300 if steps is None else steps
         report["method"] = "transfer"

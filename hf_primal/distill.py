@@ -348,6 +348,43 @@ def distill(
     )
 
 
+@torch.no_grad()
+def pooled_embeddings(model: nn.Module, batches: Sequence[Mapping[str, torch.Tensor]], causal: bool = False
+                      ) -> torch.Tensor:
+    """Mean-pooled final hidden states of every row of `batches`, (rows, C), in eval mode."""
+    was = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    extra = {"use_cache": False} if causal else {}
+    if _needs_hidden_flag(model):
+        extra["output_hidden_states"] = True
+    out = []
+    for batch in batches:
+        inputs = _model_inputs(batch, device)
+        out.append(masked_mean_pool(_last_hidden(model(**inputs, **extra)).float(), inputs.get("attention_mask")))
+    model.train(was)
+    return torch.cat(out)
+
+
+def heldout_neighbour_overlap(student: nn.Module, teacher: nn.Module, batches: Sequence[Mapping[str, torch.Tensor]],
+                              causal: bool = False, k: int = 10) -> Optional[dict]:
+    """How much of what the teacher's embeddings retrieve the student's still retrieve, on held-out batches.
+
+    The held-out rows are split in two: the first half is the index, the second the queries; the result is the mean
+    fraction of each query's k nearest index rows (cosine of mean-pooled states) that both models share. None when
+    there are fewer than 4 held-out rows.
+    """
+    from .embedding_metrics import neighbour_overlap
+
+    s, t = pooled_embeddings(student, batches, causal), pooled_embeddings(teacher, batches, causal)
+    half = s.shape[0] // 2
+    if half < 2:
+        return None
+    k = min(k, half)
+    return {"k": k, "index": half, "queries": s.shape[0] - half,
+            "overlap": neighbour_overlap(t[:half], t[half:], s[:half], s[half:], k=k)}
+
+
 def frozen_copy(model: nn.Module) -> nn.Module:
     """A frozen, eval-mode deep copy of `model` to serve as the teacher."""
     teacher = copy.deepcopy(model)

@@ -66,6 +66,10 @@ def model_card(model: Any) -> str:
                 lines.append("- held-out mean-pooled embedding cosine vs the original: "
                              f"{distilled['cosine_before']:.4f} -> {distilled['cosine_after']:.4f}")
             lines.append(f"- kept step {distilled['best_step']} of {distilled['steps']} ({distilled['seconds']:.0f} s)")
+            overlap = distilled.get("neighbour_overlap")
+            if overlap:
+                lines.append(f"- held-out {overlap['k']}-nearest-neighbour overlap with the original's embeddings: "
+                             f"{overlap['overlap']:.3f} ({overlap['queries']} queries, {overlap['index']} indexed)")
         per_layer = report.get("layers", [])
         if per_layer:
             lines += ["", "| layer | relative output error before | after |", "|---|---|---|"]

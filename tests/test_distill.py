@@ -281,3 +281,34 @@ def test_trainer_distill_dataset_needs_a_teacher_and_model_inputs(tmp_path):
                             distill_dataset=Dataset.from_dict({"text": ["a", "b"]}))
     with pytest.raises(ValueError, match=r"distill_dataset has columns \['text'\]"):
         trainer.train()
+
+
+def test_convert_reports_heldout_neighbour_overlap_equal_to_a_brute_force_count():
+    from tests.test_embedding_metrics import _brute_overlap
+
+    torch.manual_seed(0)
+    model = BertModel(bert_config(num_hidden_layers=3, initializer_range=0.2))
+    original = copy.deepcopy(model).eval()
+    batches = _text_batches(15, seed=3)
+    convert(model, {"layers": [-1], "low_rank": 4, "rank_multi": 2}, calibration_data=batches, method="distill",
+            steps=20, learning_rate=1e-3, progress=False)
+    overlap = model.primal_conversion_report["distillation"]["neighbour_overlap"]
+    held = [batches[i] for i in (4, 9, 14)]  # every fifth batch, counting from the last
+
+    def pooled(m):
+        m.eval()
+        with torch.no_grad():
+            rows = []
+            for b in held:
+                h = m(**b).last_hidden_state
+                for i in range(h.shape[0]):
+                    valid = b["attention_mask"][i].bool()
+                    rows.append(h[i][valid].mean(0).tolist())
+        return rows
+
+    student, teacher = pooled(model), pooled(original)
+    half = len(student) // 2
+    assert overlap["k"] == 10 and overlap["index"] == half == 12 and overlap["queries"] == 12
+    expected = _brute_overlap(teacher[:half], teacher[half:], student[:half], student[half:], 10)
+    assert overlap["overlap"] == pytest.approx(expected, abs=1e-6)
+    assert 0 < expected < 1
