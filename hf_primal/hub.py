@@ -59,11 +59,13 @@ def hub_heads(arch: str) -> dict[str, type]:
     maps is never missed.
     """
     heads = {}
+    by_name = {stock.__name__: primal for stock, primal in BY_NAME[arch].shareable_models.items()}
     for auto_name in _AUTO_MAPPINGS:
-        names = _mapped_names(auto_name, arch)
-        for stock, primal in BY_NAME[arch].shareable_models.items():
-            if stock.__name__ in names:
-                heads[auto_name] = primal
+        # Where transformers maps several classes (DeiT: DeiTForImageClassification and ...WithTeacher), the first
+        # is the one its Auto class builds; registering a later one would load a different head.
+        primal = next((by_name[name] for name in _mapped_names(auto_name, arch) if name in by_name), None)
+        if primal is not None:
+            heads[auto_name] = primal
     return heads
 
 

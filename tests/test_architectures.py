@@ -302,3 +302,32 @@ def test_cached_generation_matches_full_recomputation(name):
     assert (torch.cat(steps, dim=1) - full).abs().max() <= 1e-5
     assert all(isinstance(layer, PrimalCacheLayer) and layer.seen == 12 for layer in cache.layers)
     assert torch.equal(cached, uncached)
+
+
+@pytest.mark.parametrize("method", ["transfer", "distill"])
+@pytest.mark.parametrize("name", NAMES)
+def test_convert_by_transfer_and_distillation(tmp_path, name, method):
+    case = CASES[name]
+    torch.manual_seed(0)
+    model = case.model("head", initializer_range=0.2)
+    config = model.config
+    batches = [inputs(name, config, batch=4, length=10, lengths=[10, 7, 10, 5], seed=s) for s in range(10)]
+    if case.image:
+        batches = [inputs(name, config, batch=4, seed=s) for s in range(10)]
+    torch.manual_seed(1)
+    converted = hf_primal.convert(model, {"layers": [-1], "low_rank": 4, "rank_multi": 2}, batches, method=method,
+                                  steps=20, learning_rate=3e-3 if method == "transfer" else 1e-3, progress=False)
+    report = converted.primal_conversion_report
+    assert report["method"] == method and len(hf_primal.primal_layers(converted)) == 1
+    if method == "transfer":
+        (row,) = report["layers"]
+        assert row["error_after"] < row["error_before"], row
+    else:
+        assert report["distillation"]["loss_after"] < report["distillation"]["loss_before"]
+    converted.eval()
+    with torch.no_grad():
+        want = converted(**batches[0]).logits
+    hf_primal.save_converted(converted, tmp_path / "out")
+    reloaded = getattr(transformers, case.auto_head).from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(**batches[0]).logits, want, rtol=1e-5, atol=1e-6)

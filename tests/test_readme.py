@@ -111,3 +111,86 @@ def test_every_python_block_of_the_docs_runs_as_pasted(tmp_path):
         assert result.returncode == 0, doc.name + "\n" + result.stdout[-2000:] + result.stderr[-4000:]
         ran += 1
     assert ran >= 1
+
+
+# ---------------------------------------------------------------------------------------------- figures by file
+def _pct(value) -> str:
+    return f"{100 * float(value):.1f}%"
+
+
+def _by(rows, **match):
+    return [r for r in rows if all(str(r[k]) == str(v) for k, v in match.items())]
+
+
+def conversion_tasks_rows(summary) -> list[str]:
+    """docs/conversion.md's small-label table, from scripts/results/conversion_tasks_summary.csv."""
+    out = []
+    keys = sorted({(r["variant"], r["selection"], int(r["k"])) for r in summary},
+                  key=lambda v: (("stock", "plain", "recipe").index(v[0]), v[2], v[1]))
+    for variant, selection, k in keys:
+        cells = []
+        for task in ("sentences", "headlines"):
+            row = _by(summary, task=task, variant=variant, selection=selection, k=k)
+            cells.append(f"{_pct(row[0]['accuracy_mean'])} ± {100 * float(row[0]['accuracy_std']):.1f} "
+                         f"({float(row[0]['macro_f1_mean']):.3f}; {row[0]['seeds']})" if row else "-")
+        layers = _by(summary, variant=variant, selection=selection, k=k)[0]["layers"]
+        out.append(f"| {variant} | {selection or '-'} | {k} | {layers or '-'} | {cells[0]} | {cells[1]} |")
+    return out
+
+
+def conversion_embedding_rows(rows) -> list[str]:
+    """docs/conversion.md's frozen-embedding table, from scripts/results/conversion_embeddings.csv."""
+    ordered = sorted(rows, key=lambda r: (int(r["k"]), r["selection"]))
+    return [f"| {r['selection'] or 'original'} | {r['k']} | {r['layers'] or '-'} | {float(r['cosine']):.3f} | "
+            f"{_pct(r['knn_accuracy'])} | {float(r['neighbour_overlap']):.3f} |" for r in ordered]
+
+
+def conversion_timing_rows(rows) -> list[str]:
+    """docs/conversion.md's inference-time table, from scripts/results/conversion_timing.csv."""
+    out = []
+    keys = sorted({(int(r["k"]), r["selection"], r["layers"]) for r in rows})
+    for k, selection, layers in keys:
+        cells = [f"{float(_by(rows, k=k, selection=selection, tokens=n)[0]['time_vs_stock']):.2f}"
+                 for n in (128, 512, 4096)]
+        out.append(f"| {k} | {selection} | {layers} | {' | '.join(cells)} |")
+    return out
+
+
+def headline_rows(results) -> list[str]:
+    """README's headline table, from the results files it names."""
+    lra = _by(_csv_rows(results / "benchmark.csv"), section="lra", variant="primal-all", n=4096, mode="train")[0]
+    decode = {r["variant"]: r for r in _by(_csv_rows(results / "generation_benchmark.csv"), context=4096)}
+    summary = _csv_rows(results / "conversion_tasks_summary.csv")
+    rows = [
+        f"| training step, LRA shape (2 layers, hidden 64), N = 4096, every layer primal | "
+        f"{float(lra['speedup_vs_sdpa']):.1f}x faster than SDPA, {float(lra['mem_ratio_vs_eager']):.1f}x less peak "
+        f"memory than eager | `benchmark.csv` |",
+        f"| GPT-2-small decoding at context 4096, every layer primal | "
+        f"{1 / float(decode['all-primal']['latency_ms_vs_stock']):.2f}x faster per token than SDPA; cache "
+        f"{int(decode['all-primal']['cache_bytes']) / 1024:.0f} KiB vs "
+        f"{int(decode['stock-sdpa']['cache_bytes']) / 2**20:.0f} MiB | `generation_benchmark.csv` |",
+    ]
+    for task in ("sentences", "headlines"):
+        stock = _by(summary, task=task, variant="stock")[0]
+        plain = _by(summary, task=task, variant="plain")[0]
+        for k in (1, 3):
+            recipe = _by(summary, task=task, variant="recipe", selection="auto", k=k)
+            if recipe:
+                rows.append(f"| all-MiniLM-L6-v2, {k} of 6 layers primal, BBC News {task}, 400 labels | "
+                            f"{_pct(recipe[0]['accuracy_mean'])} after the recipe vs {_pct(stock['accuracy_mean'])} "
+                            f"stock (plain conversion of the last layer: {_pct(plain['accuracy_mean'])}) | "
+                            f"`conversion_tasks_summary.csv` |")
+    return rows
+
+
+def test_conversion_and_headline_figures_are_those_of_the_results_files():
+    results = ROOT / "scripts" / "results"
+    conversion = (ROOT / "docs" / "conversion.md").read_text(encoding="utf-8")
+    for line in conversion_tasks_rows(_csv_rows(results / "conversion_tasks_summary.csv")):
+        assert line in conversion, line
+    for line in conversion_embedding_rows(_csv_rows(results / "conversion_embeddings.csv")):
+        assert line in conversion, line
+    for line in conversion_timing_rows(_csv_rows(results / "conversion_timing.csv")):
+        assert line in conversion, line
+    for line in headline_rows(results):
+        assert line in README, line
