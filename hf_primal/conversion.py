@@ -102,6 +102,9 @@ class Architecture(Layout):
         causal: config -> whether the attention is causal (decoders: prefix means and a generation cache); by
             default never.
         lora_fan_in_fan_out: PEFT's flag for q/k modules that store their weights transposed (Conv1D).
+        causal_lm_heads: names of the architecture's causal-LM head classes whose name transformers' loss table
+            does not recognise (``GPT2LMHeadModel``), so their ``loss_type`` stays None although their loss is the
+            causal-LM loss; `PrimalTrainer` declares it for them.
     """
 
     name: str
@@ -113,12 +116,17 @@ class Architecture(Layout):
     max_tokens: Callable[[Any], int] = position_table
     causal: Callable[[Any], bool] = never_causal
     lora_fan_in_fan_out: bool = False
+    causal_lm_heads: tuple = ()
 
     def __post_init__(self) -> None:
         # The shareable classes convert in their own post_init (also as remote code, without the registry), and the
         # primal attention forward reads its q/k/out names here, so each class knows its architecture.
         for cls in (self.primal_class, *self.shareable_models.values()):
             cls._primal_architecture = self
+
+    def list_blocks(self, base: nn.Module) -> list[nn.Module]:
+        """The transformer blocks of the base model (BertLayer, ViTLayer, GPT2Block, ...), in order."""
+        return list(base.get_submodule(self.blocks))
 
     def list_layers(self, base: nn.Module) -> list[tuple[str, nn.Module]]:
         """[(path relative to the base model, attention module)], one per transformer block."""

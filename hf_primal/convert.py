@@ -43,18 +43,6 @@ def _relative_error(
     return diff.sum(), ref.sum()
 
 
-def _blocks(base: nn.Module, layer_list) -> list[nn.Module]:
-    """The transformer block that holds each attention module (BertLayer / ViTLayer / GPT2Block)."""
-    modules = dict(base.named_modules())
-    blocks = []
-    for path, _ in layer_list:
-        parts = path.split(".")
-        # encoder.layer.3.attention.self -> encoder.layer.3 ; layers.3.attention -> layers.3 ; h.3.attn -> h.3
-        index = next(i for i, part in enumerate(parts) if part.isdigit())
-        blocks.append(modules[".".join(parts[: index + 1])])
-    return blocks
-
-
 METHODS = ("transfer", "distill")
 # Below this relative improvement of the held-out error, a report says the adaptation achieved nothing meaningful.
 MEANINGFUL_IMPROVEMENT = 0.02
@@ -152,7 +140,7 @@ def convert(
     prefix = f"{model.base_model_prefix}." if base is not model else ""
 
     causal = architecture.causal(model.config)
-    blocks = _blocks(base, layer_list)
+    blocks = architecture.list_blocks(base)
     fitted = {i: (blocks[i] if target == "layer" else layer_list[i][1]) for i in selected}
     records: dict[int, dict] = {}
     teacher, distill_batches = None, None

@@ -15,6 +15,7 @@ from .compat import check_trainer_instance
 from .config import PrimalAttentionConfig
 from .distill import check_compatible, resolve_target, student_teacher_loss
 from .loss import REDUCTIONS, clear_ksvd_terms, collect_ksvd_terms, ksvd_from_terms, primal_model
+from .models import find_architecture
 
 # Chosen by measurement: fine-tuning all-MiniLM-L6-v2 with its last layer primal on BBC News sentences (1 epoch,
 # lr 1e-4) gave 81.49% accuracy with the primal parameters at 1x the learning rate and 81.40% at 10x, so the default
@@ -53,7 +54,13 @@ def _declare_causal_lm_loss(model: Optional[nn.Module]) -> None:
     if model is None:
         return
     inner = primal_model(model)
-    if getattr(inner, "loss_type", "") is None and type(inner).__name__.endswith("LMHeadModel"):
+    if getattr(inner, "loss_type", "") is not None:
+        return
+    try:
+        heads = find_architecture(inner).causal_lm_heads
+    except ValueError:  # not a registered architecture: PrimalTrainer's own check reports it
+        return
+    if any(cls.__name__ in heads for cls in type(inner).__mro__):
         inner.loss_type = "ForCausalLM"
 
 

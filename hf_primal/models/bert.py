@@ -7,4 +7,5 @@ from ..shareable import define_architecture
 
 # Defines PrimalBertSelfAttention, PrimalBertConfig and a shareable Primal* twin of every BERT model class here.
 ARCHITECTURE = define_architecture(globals(), modeling_bert.BertPreTrainedModel, modeling_bert.BertSelfAttention,
-                                   BERT_LAYOUT, causal=causal_when_decoder)
+                                   BERT_LAYOUT, causal=causal_when_decoder,
+                                   causal_lm_heads=("BertLMHeadModel",))

@@ -44,4 +44,5 @@ ARCHITECTURE = define_architecture(
            out_name="c_proj", value_attr=None),
     primal_class=PrimalGPT2Attention, max_tokens=lambda config: config.n_positions, causal=lambda config: True,
     lora_fan_in_fan_out=True,  # Conv1D stores its weight transposed
+    causal_lm_heads=("GPT2LMHeadModel",),
 )
