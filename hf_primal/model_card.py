@@ -28,8 +28,11 @@ def _hub_id(name: str) -> Optional[str]:
     return name if len(parts) <= 2 and all(part and part[0].isalnum() for part in parts) else None
 
 
-def model_card(model: Any) -> str:
-    """README.md for a shared primal checkpoint: what was converted, with what settings, and how to load it."""
+def model_card(model: Any, tags: Optional[list[str]] = None) -> str:
+    """README.md for a shared primal checkpoint: what was converted, with what settings, and how to load it.
+
+    `tags` (and the model's own ``model_tags``, as transformers' ``add_model_tags`` sets them) join the card's tags.
+    """
     spec = PrimalAttentionConfig.coerce(model.config.primal_attention)
     layers = [name for name, m in model.named_modules() if getattr(m, "_is_primal_attention", False)]
     report = getattr(model, "primal_conversion_report", None) or {}
@@ -38,10 +41,13 @@ def model_card(model: Any) -> str:
     lines = ["---", "library_name: transformers"]
     if base:
         lines.append(f"base_model: {base}")
+    extra = [t for t in [*(getattr(model, "model_tags", None) or []), *(tags or [])]
+             if t not in ("primal-attention", "hf_primal")]
     lines += [
         "tags:",
         "- primal-attention",
         "- hf_primal",
+        *[f"- {tag}" for tag in dict.fromkeys(extra)],
         "---",
         "",
         f"# {type(model).__name__} (Primal-Attention)",

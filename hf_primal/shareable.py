@@ -48,14 +48,18 @@ class PrimalModelMixin:
 
     def push_to_hub(self, repo_id: str, *, commit_message: Optional[str] = None, private: Optional[bool] = None,
                     token: Any = None, revision: Optional[str] = None, create_pr: bool = False,
-                    max_shard_size: Any = "50GB", commit_description: Optional[str] = None, **kwargs: Any) -> Any:
-        # Same upload path as transformers' push_to_hub, but keeps the model card written by save_pretrained
-        # (transformers would replace it with a generic one).
+                    max_shard_size: Any = "50GB", commit_description: Optional[str] = None,
+                    tags: Optional[list[str]] = None) -> Any:
+        # transformers' push_to_hub arguments, the same upload path, but the model card written by save_pretrained
+        # is kept (transformers would replace it with a generic one); `tags` go into that card's metadata.
         from transformers.utils.hub import hf_api  # the Hub client is needed only when uploading
 
         repo_id = hf_api().create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
         with tempfile.TemporaryDirectory() as tmp_dir:
             self.save_pretrained(tmp_dir, max_shard_size=max_shard_size)
+            if tags:
+                with open(os.path.join(tmp_dir, "README.md"), "w", encoding="utf-8") as handle:
+                    handle.write(model_card(self, tags=tags))
             return self._upload_modified_files(
                 tmp_dir, repo_id, files_timestamps={}, commit_message=commit_message, token=token,
                 create_pr=create_pr, revision=revision, commit_description=commit_description,

@@ -295,6 +295,14 @@ def test_model_push_to_hub_uploads_the_shareable_folder(tmp_path, monkeypatch):
     assert len(fake.commits) == 1 and fake.commits[0][0] == "someone/primal-bert"
     _check_uploaded(fake.commits[0][2], tmp_path, expect_tokenizer=False)
     assert "relative output error" in open(os.path.join(fake.commits[0][2], "README.md")).read()
+    # transformers' push_to_hub arguments are honoured: tags reach the card's metadata, next to the model's own.
+    model.add_model_tags(["from-trainer"])
+    model.push_to_hub("someone/primal-bert", tags=["my-tag"], commit_message="second")
+    card = open(os.path.join(fake.commits[1][2], "README.md")).read()
+    header = card.split("---")[1]
+    assert "- my-tag" in header and "- from-trainer" in header and "- primal-attention" in header
+    with pytest.raises(TypeError, match="not_an_argument"):
+        model.push_to_hub("someone/primal-bert", not_an_argument=1)
 
 
 def _minilm():
