@@ -1,4 +1,4 @@
-"""Every transformers internal hf_primal patches or relies on, checked when hf_primal is imported.
+"""Every transformers (and torch) internal hf_primal patches or relies on, checked when hf_primal is imported.
 
 hf_primal hooks a handful of base-class methods (`patching.install_hooks`) and subclasses or calls some
 transformers internals that are not public API. A release that renames one of them would otherwise break a user
@@ -73,6 +73,8 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(f"{_PM}._keys_to_ignore_on_load_unexpected", "keep dropped value projections out of the load report"),
     Internal("transformers.initialization.orthogonal_", "initialise W_e and W_r"),
     Internal("transformers.initialization.uniform_", "initialise Lambda"),
+    Internal(f"{_CU}.Cache", "fill gaps of a cache with the layer class it replicates",
+             ("layer_class_to_replicate",)),
     Internal(f"{_CU}.Cache.crop", "roll primal sums back for assisted / prompt-lookup decoding",
              ("tokens_to_remove",)),
     Internal(f"{_CU}.Cache.activate_past_recording", "keep per-token history for cropping"),
@@ -99,7 +101,16 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(f"{_TR}.create_optimizer", "give new primal parameters their own parameter group"),
     Internal(f"{_TR}.prediction_step", "collect the KSVD loss during evaluation",
              ("model", "inputs", "prediction_loss_only", "ignore_keys")),
-    Internal(f"{_TR}.evaluation_loop", "report eval_ksvd_loss"),
+    Internal(f"{_TR}.evaluation_loop", "report eval_ksvd_loss under the caller's metric prefix",
+             ("dataloader", "description", "prediction_loss_only", "ignore_keys", "metric_key_prefix")),
+    Internal(f"{_TR}.get_decay_parameter_names", "keep weight decay off the primal parameter group", ("model",)),
+    Internal(f"{_TR}.get_optimizer_cls_and_kwargs", "build the optimizer with the primal parameter group",
+             ("args", "model")),
+    Internal("transformers.utils.hub.PushToHubMixin._upload_modified_files",
+             "upload the shareable folder, model card included",
+             ("working_dir", "repo_id", "files_timestamps", "commit_message", "token", "create_pr", "revision",
+              "commit_description")),
+    Internal("torch._dynamo.mark_static_address", "keep static-cache buffers at fixed addresses for compiled decoding"),
     Internal(f"{_TR}.log", "log ksvd_loss, task_loss and distill_loss with the loss"),
 )
 

@@ -325,7 +325,9 @@ class PrimalTrainer(Trainer):
     def evaluation_loop(self, *args, **kwargs):
         self._eval_ksvd = []
         output = super().evaluation_loop(*args, **kwargs)
-        prefix = kwargs.get("metric_key_prefix", args[4] if len(args) > 4 else "eval")
+        # The caller's metric prefix, however it was passed (compat checks the parameter's name).
+        bound = inspect.signature(Trainer.evaluation_loop).bind_partial(self, *args, **kwargs).arguments
+        prefix = bound.get("metric_key_prefix", "eval")
         local = torch.stack(self._eval_ksvd).mean() if self._eval_ksvd else torch.tensor(float("nan"))
         value = self.accelerator.gather(local.to(self.args.device).reshape(1)).nanmean().item()
         if value == value:  # not NaN: at least one process saw primal layers run
