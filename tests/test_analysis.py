@@ -11,8 +11,8 @@ from hf_primal.analysis import (
     cumulative_spectrum,
     plot_attention_spectrum,
 )
-from hf_primal.sampling import sample_token_indices
 from tests.conftest import bert_config, gpt2_config
+from tests.reference import reference_sample_ranks
 
 
 def test_rank_one_matrix_explains_everything_with_its_first_singular_value():
@@ -94,11 +94,13 @@ def test_primal_layer_matches_dense_svd_of_the_implied_kernel(kernel):
     q = (x @ attn.query.weight.double().T + attn.query.bias.double()).view(2, 12, heads, dim)
     k = (x @ attn.key.weight.double().T + attn.key.bias.double()).view(2, 12, heads, dim)
     valid = batch["attention_mask"].bool()
-    idx = sample_token_indices(valid, attn.primal.num_samples)
     expected = []
     for b in range(2):
         length = int(valid[b].sum())
-        sampled = x[b, idx[b]].view(-1, heads, dim)
+        # The sampled tokens by the loop-by-loop reference rule (tests/reference.py), among the valid positions.
+        positions = valid[b].nonzero().flatten()
+        ranks = reference_sample_ranks(length, attn.primal.num_samples)
+        sampled = x[b, positions[torch.as_tensor(ranks)]].view(-1, heads, dim)
         for h in range(heads):
             q_hat = F.normalize(q[b, :length, h], dim=-1)
             k_hat = F.normalize(k[b, :length, h], dim=-1)
