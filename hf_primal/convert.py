@@ -115,19 +115,7 @@ def convert(
     """
     spec = PrimalAttentionConfig.coerce(config if config is not None else PrimalAttentionConfig())
     architecture = find_architecture(model)
-    if getattr(model.config, "primal_attention", None) is not None:
-        raise ValueError(
-            f"convert: {type(model).__name__} already has primal_attention={model.config.primal_attention}; "
-            "convert a stock model (reload it without primal_attention)."
-        )
-    if method not in METHODS:
-        raise ValueError(f"convert: method={method!r} is not allowed: use one of {list(METHODS)}.")
-    if target not in ("layer", "attention"):
-        raise ValueError(f"convert: target={target!r} is not allowed: use 'layer' or 'attention'.")
-    if learning_rate is None:
-        learning_rate = 5e-4 if method == "distill" else 3e-3
-    if (steps is not None and steps < 0) or not learning_rate > 0:
-        raise ValueError(f"convert: steps={steps} must be >= 0 and learning_rate={learning_rate} > 0.")
+    learning_rate = _check_arguments(model, method, target, steps, learning_rate)
     if layers == "auto" and calibration_data is not None:  # measured and adapted on the same batches
         calibration_data = collect_batches(calibration_data, batch_size, max_batches)
     spec, sensitivity = choose_layers(
@@ -137,8 +125,6 @@ def convert(
     base = getattr(model, model.base_model_prefix, model)
     layer_list = architecture.list_layers(base)
     selected = spec.resolve_layers(len(layer_list))
-    prefix = f"{model.base_model_prefix}." if base is not model else ""
-
     causal = architecture.causal(model.config)
     blocks = architecture.list_blocks(base)
     fitted = {i: (blocks[i] if target == "layer" else layer_list[i][1]) for i in selected}
@@ -159,52 +145,84 @@ def convert(
         if progress:
             print(f"[hf_primal] layer sensitivity (cheapest first): {sensitivity.ranking}; converting {selected}")
     if distill_batches is not None:
-        n_train = len(distill_batches) - len(heldout_indices(len(distill_batches)))
-        steps = steps if steps is not None else max(1, 4 * n_train)
-        result = distill(model, teacher, distill_batches, steps=steps, learning_rate=learning_rate,
-                         primal_learning_rate=primal_learning_rate, target=distill_target, temperature=temperature,
-                         pooled_weight=pooled_weight,
-                         progress=progress, causal=causal)
-        held = [b for i, b in enumerate(distill_batches) if i in heldout_indices(len(distill_batches))]
-        overlap = heldout_neighbour_overlap(model, teacher, held, causal)
-        del teacher
-        report["method"] = "distill"
-        report["calibration"] = (
-            f"{len(distill_batches)} batches ({n_train} trained on, the rest held out), distillation from the original "
-            f"model, {steps} AdamW steps (lr {learning_rate}, primal lr {primal_learning_rate}), kept step "
-            f"{result.best_step}"
-        )
-        report["distillation"] = {**result.to_dict(), "neighbour_overlap": overlap}
-        report["verdict"] = _verdict(result.loss_before, result.loss_after, "distillation")
-        if progress:
-            cos = (f"; mean-pooled embedding cosine {result.cosine_before:.4f} -> {result.cosine_after:.4f}"
-                   if result.cosine_after is not None else "")
-            print(f"[hf_primal] distillation: held-out loss {result.loss_before:.4f} -> {result.loss_after:.4f}{cos}")
-            if overlap is not None:
-                print(f"[hf_primal] held-out {overlap['k']}-nearest-neighbour overlap with the original: "
-                      f"{overlap['overlap']:.3f} ({overlap['queries']} queries)")
+        report.update(_adapt_by_distillation(
+            model, teacher, distill_batches, causal, progress, steps=steps, learning_rate=learning_rate,
+            primal_learning_rate=primal_learning_rate, target=distill_target, temperature=temperature,
+            pooled_weight=pooled_weight))
     elif records:
-        steps = 300 if steps is None else steps
-        report["method"] = "transfer"
-        report["calibration"] = (
-            f"{len(records[selected[0]]['call'])} batches, target={target}, {steps} Adam steps per layer "
-            f"(lr {learning_rate}), errors on held-out batches"
-        )
-        for index in selected:
-            name = prefix + layer_list[index][0]
-            before, after = _fit_layer(fitted[index], records[index], steps, learning_rate,
-                                       architecture.qk_names if train_qk else (), progress, name)
-            report["layers"].append({"layer": name, "error_before": before, "error_after": after})
-            if progress:
-                print(f"[hf_primal] {name}: relative output error {before:.4f} -> {after:.4f}")
-        report["verdict"] = _verdict(sum(r["error_before"] for r in report["layers"]),
-                                     sum(r["error_after"] for r in report["layers"]), "attention transfer")
+        prefix = f"{model.base_model_prefix}." if base is not model else ""
+        names = {i: prefix + layer_list[i][0] for i in selected}
+        qk_names = architecture.qk_names if train_qk else ()
+        report.update(_adapt_by_transfer(fitted, records, names, steps, learning_rate, qk_names, target, progress))
     if report.get("verdict", "").startswith("no meaningful"):
         warnings.warn(f"hf_primal.convert: {report['verdict']}", stacklevel=2)
         if progress:
             print(f"[hf_primal] {report['verdict']}")
     model.primal_conversion_report = report
     return enable_remote_code(model)
+
+
+def _check_arguments(model, method, target, steps, learning_rate) -> float:
+    """Refuse what convert cannot do, naming the value; returns the learning rate to use."""
+    if getattr(model.config, "primal_attention", None) is not None:
+        raise ValueError(
+            f"convert: {type(model).__name__} already has primal_attention={model.config.primal_attention}; "
+            "convert a stock model (reload it without primal_attention)."
+        )
+    if method not in METHODS:
+        raise ValueError(f"convert: method={method!r} is not allowed: use one of {list(METHODS)}.")
+    if target not in ("layer", "attention"):
+        raise ValueError(f"convert: target={target!r} is not allowed: use 'layer' or 'attention'.")
+    if learning_rate is None:
+        learning_rate = 5e-4 if method == "distill" else 3e-3
+    if (steps is not None and steps < 0) or not learning_rate > 0:
+        raise ValueError(f"convert: steps={steps} must be >= 0 and learning_rate={learning_rate} > 0.")
+    return learning_rate
+
+
+def _adapt_by_distillation(model, teacher, batches, causal, progress, *, steps, learning_rate, **kwargs) -> dict:
+    """Distil the swapped `model` from `teacher`; the report entries (figures on the held-out batches)."""
+    held_out = heldout_indices(len(batches))
+    n_train = len(batches) - len(held_out)
+    steps = steps if steps is not None else max(1, 4 * n_train)
+    result = distill(model, teacher, batches, steps=steps, learning_rate=learning_rate, progress=progress,
+                     causal=causal, **kwargs)
+    overlap = heldout_neighbour_overlap(model, teacher, [b for i, b in enumerate(batches) if i in held_out], causal)
+    if progress:
+        cos = (f"; mean-pooled embedding cosine {result.cosine_before:.4f} -> {result.cosine_after:.4f}"
+               if result.cosine_after is not None else "")
+        print(f"[hf_primal] distillation: held-out loss {result.loss_before:.4f} -> {result.loss_after:.4f}{cos}")
+        if overlap is not None:
+            print(f"[hf_primal] held-out {overlap['k']}-nearest-neighbour overlap with the original: "
+                  f"{overlap['overlap']:.3f} ({overlap['queries']} queries)")
+    return {
+        "method": "distill",
+        "calibration": (f"{len(batches)} batches ({n_train} trained on, the rest held out), distillation from the "
+                        f"original model, {steps} AdamW steps (lr {learning_rate}, primal lr "
+                        f"{kwargs['primal_learning_rate']}), kept step {result.best_step}"),
+        "distillation": {**result.to_dict(), "neighbour_overlap": overlap},
+        "verdict": _verdict(result.loss_before, result.loss_after, "distillation"),
+    }
+
+
+def _adapt_by_transfer(fitted, records, names, steps, learning_rate, qk_names, target, progress) -> dict:
+    """Fit each converted block (or attention module) alone to the stock one's recorded outputs; report entries."""
+    steps = 300 if steps is None else steps
+    rows = []
+    for index, name in names.items():
+        before, after = _fit_layer(fitted[index], records[index], steps, learning_rate, qk_names, progress, name)
+        rows.append({"layer": name, "error_before": before, "error_after": after})
+        if progress:
+            print(f"[hf_primal] {name}: relative output error {before:.4f} -> {after:.4f}")
+    first = next(iter(names))
+    return {
+        "method": "transfer",
+        "calibration": (f"{len(records[first]['call'])} batches, target={target}, {steps} Adam steps per layer "
+                        f"(lr {learning_rate}), errors on held-out batches"),
+        "layers": rows,
+        "verdict": _verdict(sum(r["error_before"] for r in rows), sum(r["error_after"] for r in rows),
+                            "attention transfer"),
+    }
 
 
 def _verdict(before: float, after: float, what: str) -> str:
