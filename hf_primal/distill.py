@@ -193,6 +193,64 @@ def _pooled_cosine(student_out, teacher_out, mask) -> torch.Tensor:
     )
 
 
+def _checked_settings(student, steps, learning_rate, primal_learning_rate, temperature, pooled_weight, ksvd_weight):
+    """`distill`'s numeric settings, each refused by name when out of range; eta defaults to the model's."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"distill: steps={steps} is not allowed: it must be >= 1.")
+    if ksvd_weight is None:  # the model's eta; a student without primal layers has no KSVD term
+        spec = getattr(primal_model(student).config, "primal_attention", None)
+        ksvd_weight = PrimalAttentionConfig.coerce(spec).eta if spec is not None else 0.0
+    return (_check_nonnegative("learning_rate", learning_rate, positive=True),
+            _check_nonnegative("primal_learning_rate", primal_learning_rate, positive=True),
+            _check_nonnegative("temperature", temperature, positive=True),
+            _check_nonnegative("pooled_weight", pooled_weight),
+            _check_nonnegative("ksvd_weight", ksvd_weight))
+
+
+def _optimizer(named, learning_rate, primal_learning_rate, weight_decay, warmup_ratio, steps):
+    """AdamW with the new primal parameters in a group of their own; linear warm-up, then cosine decay."""
+    primal = [p for n, p in named if ".primal." in f".{n}"]
+    decay = [p for n, p in named if ".primal." not in f".{n}" and p.dim() >= 2]
+    no_decay = [p for n, p in named if ".primal." not in f".{n}" and p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": decay, "lr": learning_rate, "weight_decay": weight_decay},
+            {"params": no_decay, "lr": learning_rate, "weight_decay": 0.0},
+            {"params": primal, "lr": primal_learning_rate, "weight_decay": 0.0},
+        ]
+    )
+    warmup = max(1, int(warmup_ratio * steps))
+
+    def schedule(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+
+def _heldout_figures(student, teacher, held, device, target, temperature, pooled_weight, causal
+                     ) -> tuple[float, Optional[float]]:
+    """(mean distillation loss, mean pooled cosine or None) of the student on the held-out batches, in eval mode."""
+    was = student.training
+    student.eval()
+    total = count = 0.0
+    cos_sum, cos_n = 0.0, 0
+    with torch.no_grad():
+        for batch in held:
+            inputs = _model_inputs(batch, device)
+            s_out, t_out = _forward_pair(student, teacher, inputs, target, causal)
+            mask = inputs.get("attention_mask")
+            n = next(iter(inputs.values())).shape[0]
+            total += float(student_teacher_loss(s_out, t_out, mask, target, temperature, pooled_weight)) * n
+            count += n
+            if target == "hidden" or getattr(s_out, "hidden_states", None) is not None:
+                cos = _pooled_cosine(s_out, t_out, mask)
+                cos_sum, cos_n = cos_sum + float(cos.sum()), cos_n + cos.numel()
+    student.train(was)
+    return total / max(count, 1.0), (cos_sum / cos_n if cos_n else None)
+
+
 def distill(
     student: nn.Module,
     teacher: nn.Module,
@@ -226,16 +284,8 @@ def distill(
     import time
 
     started = time.time()
-    if steps < 1:
-        raise ValueError(f"distill: steps={steps} is not allowed: it must be >= 1.")
-    learning_rate = _check_nonnegative("learning_rate", learning_rate, positive=True)
-    primal_learning_rate = _check_nonnegative("primal_learning_rate", primal_learning_rate, positive=True)
-    temperature = _check_nonnegative("temperature", temperature, positive=True)
-    pooled_weight = _check_nonnegative("pooled_weight", pooled_weight)
-    spec = getattr(primal_model(student).config, "primal_attention", None)
-    if ksvd_weight is None:  # the model's eta; a student without primal layers has no KSVD term
-        ksvd_weight = PrimalAttentionConfig.coerce(spec).eta if spec is not None else 0.0
-    eta = _check_nonnegative("ksvd_weight", ksvd_weight)
+    learning_rate, primal_learning_rate, temperature, pooled_weight, eta = _checked_settings(
+        student, steps, learning_rate, primal_learning_rate, temperature, pooled_weight, ksvd_weight)
     target = resolve_target(student, target)
     check_compatible(student, teacher, target)
     batches = list(batches)
@@ -258,43 +308,10 @@ def distill(
         raise ValueError("distill: the student has no trainable parameter (train_all=False and nothing requires grad).")
     for _, p in named:
         p.requires_grad_(True)
-    primal = [p for n, p in named if ".primal." in f".{n}"]
-    decay = [p for n, p in named if ".primal." not in f".{n}" and p.dim() >= 2]
-    no_decay = [p for n, p in named if ".primal." not in f".{n}" and p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [
-            {"params": decay, "lr": learning_rate, "weight_decay": weight_decay},
-            {"params": no_decay, "lr": learning_rate, "weight_decay": 0.0},
-            {"params": primal, "lr": primal_learning_rate, "weight_decay": 0.0},
-        ]
-    )
-    warmup = max(1, int(warmup_ratio * steps))
-
-    def schedule(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    optimizer, scheduler = _optimizer(named, learning_rate, primal_learning_rate, weight_decay, warmup_ratio, steps)
 
     def evaluate() -> tuple[float, Optional[float]]:
-        was = student.training
-        student.eval()
-        total = count = 0.0
-        cos_sum, cos_n = 0.0, 0
-        with torch.no_grad():
-            for batch in held:
-                inputs = _model_inputs(batch, device)
-                s_out, t_out = _forward_pair(student, teacher, inputs, target, causal)
-                mask = inputs.get("attention_mask")
-                n = next(iter(inputs.values())).shape[0]
-                total += float(student_teacher_loss(s_out, t_out, mask, target, temperature, pooled_weight)) * n
-                count += n
-                if target == "hidden" or getattr(s_out, "hidden_states", None) is not None:
-                    cos = _pooled_cosine(s_out, t_out, mask)
-                    cos_sum, cos_n = cos_sum + float(cos.sum()), cos_n + cos.numel()
-        student.train(was)
-        return total / max(count, 1.0), (cos_sum / cos_n if cos_n else None)
+        return _heldout_figures(student, teacher, held, device, target, temperature, pooled_weight, causal)
 
     eval_every = eval_every or max(1, min(100, steps // 12))
     loss_before, cos_before = evaluate()
@@ -325,10 +342,8 @@ def distill(
             if held_loss < best[0]:
                 best = (held_loss, step + 1, held_cos)
                 best_state = {n: p.detach().clone() for n, p in named}
-            postfix = {"train": f"{loss.item():.4f}", "heldout": f"{held_loss:.4f}"}
-            if held_cos is not None:
-                postfix["heldout_cos"] = f"{held_cos:.4f}"
-            bar.set_postfix(postfix)
+            bar.set_postfix({"train": f"{loss.item():.4f}", "heldout": f"{held_loss:.4f}",
+                             **({"heldout_cos": f"{held_cos:.4f}"} if held_cos is not None else {})})
     with torch.no_grad():
         for n, p in named:
             p.copy_(best_state[n])
