@@ -156,6 +156,28 @@ def conversion_timing_rows(rows) -> list[str]:
     return out
 
 
+def conversion_cost_rows(summary) -> list[str]:
+    """docs/conversion.md's cost table (wall time of one job, one thread), from conversion_tasks_summary.csv."""
+    out = []
+    for task in ("sentences", "headlines"):
+        stock = _by(summary, task=task, variant="stock")[0]
+        for k in (1, 3):
+            recipe = _by(summary, task=task, variant="recipe", selection="auto", k=k)
+            if recipe:
+                out.append(f"| {task} | {k} | {float(stock['seconds_mean']) / 60:.1f} min | "
+                           f"{float(recipe[0]['seconds_mean']) / 60:.1f} min |")
+    return out
+
+
+def sensitivity_line(results) -> str:
+    """docs/conversion.md's sentence on the measured layer ranking, from conversion_sensitivity.json."""
+    import json
+
+    data = json.loads((results / "conversion_sensitivity.json").read_text())
+    costs = ", ".join(f"{c['index']}: {c['loss_after']:.3f}" for c in data["costs"])
+    return f"ranking, cheapest first: {data['ranking']} (held-out loss by layer: {costs})"
+
+
 def headline_rows(results) -> list[str]:
     """README's headline table, from the results files it names."""
     lra = _by(_csv_rows(results / "benchmark.csv"), section="lra", variant="primal-all", n=4096, mode="train")[0]
@@ -192,5 +214,8 @@ def test_conversion_and_headline_figures_are_those_of_the_results_files():
         assert line in conversion, line
     for line in conversion_timing_rows(_csv_rows(results / "conversion_timing.csv")):
         assert line in conversion, line
+    for line in conversion_cost_rows(_csv_rows(results / "conversion_tasks_summary.csv")):
+        assert line in conversion, line
+    assert sensitivity_line(results) in conversion
     for line in headline_rows(results):
         assert line in README, line
