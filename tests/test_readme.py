@@ -198,8 +198,10 @@ def headline_rows(results) -> list[str]:
         for k in (1, 3):
             recipe = _by(summary, task=task, variant="recipe", selection="auto", k=k)
             if recipe:
+                seeds = f"{recipe[0]['seeds']} seed{'s' if int(recipe[0]['seeds']) > 1 else ''}"
                 rows.append(f"| all-MiniLM-L6-v2, {k} of 6 layers primal, BBC News {task}, 400 labels | "
-                            f"{_pct(recipe[0]['accuracy_mean'])} after the recipe vs {_pct(stock['accuracy_mean'])} "
+                            f"{_pct(recipe[0]['accuracy_mean'])} after the recipe ({seeds}) vs "
+                            f"{_pct(stock['accuracy_mean'])} "
                             f"stock (plain conversion of the last layer: {_pct(plain['accuracy_mean'])}) | "
                             f"`conversion_tasks_summary.csv` |")
     return rows
