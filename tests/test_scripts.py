@@ -368,7 +368,7 @@ def test_parse_primal_layers():
 
 @pytest.mark.parametrize("text, expected", [
     ("all", "all"), ("ALL", "all"), (" All ", "all"), ("-1", [-1]), ("0,3", [0, 3]), (" 0, 3 ", [0, 3]),
-    ("-2,-1", [-2, -1]), ("0,,3", None), ("", None), (",", None), ("1.5", None), ("last", None), ("0;3", None),
+    ("-2,-1", [-2, -1]), ("0,,3", None), ("", None), (",", None), ("1.5", None), ("first", None), ("0;3", None),
 ])
 def test_cli_and_scripts_parse_layers_the_same(text, expected):
     """One parser: the CLI's --layers and the scripts' --primal_layers accept and refuse the same strings."""
@@ -384,6 +384,16 @@ def test_cli_and_scripts_parse_layers_the_same(text, expected):
             _layers(text)
     else:
         assert common.parse_primal_layers(text) == expected and _layers(text) == expected
+
+
+@pytest.mark.parametrize("choice", ["auto", "last", " Auto "])
+def test_only_convert_takes_the_measured_or_last_k_choice(choice):
+    # `hf-primal convert --layers auto|last --num-primal-layers K`; a training script has no K to pair it with.
+    from hf_primal.cli import _layers
+
+    assert _layers(choice) == choice.strip().lower()
+    with pytest.raises(ValueError, match="--primal_layers"):
+        _load_script("_common").parse_primal_layers(choice)
 
 
 def test_primal_flags_override_only_what_is_given():
