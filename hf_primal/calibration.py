@@ -22,6 +22,17 @@ def heldout_indices(num_batches: int, every: int = HELDOUT_EVERY) -> set[int]:
     return set(range(num_batches - 1, -1, -every))
 
 
+def input_columns(column_names: list[str], what: str) -> list[str]:
+    """The model-input columns among a dataset's `column_names`; a ValueError starting with `what` if there are none."""
+    columns = [c for c in MODEL_INPUT_COLUMNS if c in column_names]
+    if not columns:
+        raise ValueError(
+            f"{what} has columns {column_names}; expected tokenised model inputs "
+            "(input_ids[, attention_mask]) or pixel_values."
+        )
+    return columns
+
+
 def as_batches(data: Any, batch_size: int) -> Iterable[Mapping[str, torch.Tensor]]:
     """Accept a DataLoader / iterable of dict batches, or a `datasets.Dataset` of model inputs."""
     try:
@@ -29,13 +40,7 @@ def as_batches(data: Any, batch_size: int) -> Iterable[Mapping[str, torch.Tensor
     except ImportError:  # pragma: no cover - datasets is a dependency
         Dataset = ()
     if isinstance(data, Dataset):
-        columns = [c for c in MODEL_INPUT_COLUMNS if c in data.column_names]
-        if not columns:
-            raise ValueError(
-                f"calibration_data: the dataset has columns {data.column_names}; expected tokenised model inputs "
-                "(input_ids[, attention_mask]) or pixel_values."
-            )
-        data = data.with_format("torch", columns=columns)
+        data = data.with_format("torch", columns=input_columns(data.column_names, "calibration_data: the dataset"))
         return torch.utils.data.DataLoader(data, batch_size=batch_size, collate_fn=pad_collate)
     if isinstance(data, Mapping):
         return [data]

@@ -223,14 +223,14 @@ def _convert(args: argparse.Namespace) -> int:
     choice = args.layers if isinstance(args.layers, str) and args.layers in ("auto", "last") else None
     if choice is None and args.num_primal_layers is not None:
         raise CLIError(f"--num-primal-layers {args.num_primal_layers} needs --layers auto or last")
+    if choice is not None and args.num_primal_layers is None:
+        raise CLIError(f"--layers {choice} needs --num-primal-layers K (how many layers to convert)")
     spec = hf_primal.PrimalAttentionConfig(layers=_DEFAULTS.layers if choice else args.layers, low_rank=args.low_rank,
                                            rank_multi=args.rank_multi, eta=args.eta)
     model, processor = _load_for_conversion(args.src)
     data = None
     if args.calibration:
         data = _calibration_batches(args.calibration, processor, args.max_length, args.batch_size)
-    if choice is not None and args.num_primal_layers is None:
-        raise CLIError(f"--layers {choice} needs --num-primal-layers K (how many layers to convert)")
     model = hf_primal.convert(model, spec, calibration_data=data, method=args.method, steps=args.steps,
                               learning_rate=args.learning_rate, target=args.calibration_target, layers=choice,
                               num_primal_layers=args.num_primal_layers, sensitivity_steps=args.sensitivity_steps)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from transformers import Trainer
 
-from .calibration import MODEL_INPUT_COLUMNS
+from .calibration import input_columns
 from .compat import check_trainer_instance
 from .config import PrimalAttentionConfig
 from .distill import check_compatible, resolve_target, student_teacher_loss
@@ -147,7 +147,8 @@ class PrimalTrainer(Trainer):
         if distill_dataset is not None and teacher is None:
             raise ValueError("PrimalTrainer: distill_dataset=... needs a teacher=... model to distil from.")
         self.distill_dataset = distill_dataset
-        self._distill_batches = None
+        self._distill_loader = None
+        self._distill_batches = iter(())
         if primal_learning_rate is not None and not (
             isinstance(primal_learning_rate, (int, float)) and not isinstance(primal_learning_rate, bool)
             and 0 < primal_learning_rate < float("inf")
@@ -234,24 +235,25 @@ class PrimalTrainer(Trainer):
             outputs, teacher_out, inputs.get("attention_mask"), self.distill_target, self.distill_temperature
         )
 
+    def _student_extra(self, model) -> dict[str, bool]:
+        # Models with a head expose their final hidden states only on request.
+        wants = self.distill_target == "hidden" and resolve_target(model, "auto") == "logits"
+        return {"output_hidden_states": True} if wants else {}
+
     def _next_distill_batch(self) -> dict[str, torch.Tensor]:
         """The next batch of `distill_dataset` (reshuffled each pass, sharded across processes like training)."""
-        if self._distill_batches is None:
+        if self._distill_loader is None:
             data = self.distill_dataset
             names = getattr(data, "column_names", None)
             if names is not None:
-                keep = [c for c in MODEL_INPUT_COLUMNS if c in names]
-                if not keep:
-                    raise ValueError(f"PrimalTrainer: distill_dataset has columns {names}; expected tokenised model "
-                                     f"inputs ({', '.join(MODEL_INPUT_COLUMNS)}).")
+                keep = input_columns(names, "PrimalTrainer: distill_dataset")
                 data = data.remove_columns([c for c in names if c not in keep])
             generator = torch.Generator().manual_seed(self.args.seed)
             loader = torch.utils.data.DataLoader(data, batch_size=self.args.per_device_train_batch_size, shuffle=True,
                                                  generator=generator, collate_fn=self.data_collator, drop_last=False)
             self._distill_loader = self.accelerator.prepare(loader)
-            self._distill_batches = iter(())
         batch = next(self._distill_batches, None)
-        if batch is None:
+        if batch is None:  # a new pass (the first, or after the last batch)
             self._distill_batches = iter(self._distill_loader)
             batch = next(self._distill_batches)
         return {k: v.to(self.args.device) for k, v in batch.items() if k not in ("labels", "label")}
@@ -259,9 +261,7 @@ class PrimalTrainer(Trainer):
     def _unlabeled_terms(self, model) -> tuple[torch.Tensor, torch.Tensor]:
         """(distillation, KSVD) terms of one `distill_dataset` batch: the student against the teacher."""
         inputs = self._next_distill_batch()
-        extra = {"output_hidden_states": True} if self.distill_target == "hidden" and resolve_target(
-            model, "auto") == "logits" else {}
-        outputs = model(**inputs, **extra)
+        outputs = model(**inputs, **self._student_extra(model))
         distill = self._distill_term(model, inputs, outputs)
         ksvd = ksvd_from_terms(collect_ksvd_terms(model), self.ksvd_reduction)
         clear_ksvd_terms(model)
@@ -277,8 +277,8 @@ class PrimalTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         distilling = self.teacher is not None and model.training
-        if distilling and self.distill_target == "hidden" and resolve_target(model, "auto") == "logits":
-            inputs = {**inputs, "output_hidden_states": True}  # heads expose the final states only on request
+        if distilling:
+            inputs = {**inputs, **self._student_extra(model)}
         task_loss, outputs = super().compute_loss(
             model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch
         )

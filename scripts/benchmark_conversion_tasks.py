@@ -264,16 +264,11 @@ def job_embeddings(args, selection, k):
     return [row]
 
 
-@torch.no_grad()
 def embed(model, tokenizer, texts, max_length) -> torch.Tensor:
-    from hf_primal.distill import masked_mean_pool
+    """Mean-pooled final hidden states in the order of `texts` (the conversion benchmark's, in batches of 128)."""
+    from benchmark_conversion import embeddings
 
-    model.eval()
-    out = []
-    for i in range(0, len(texts), 128):
-        batch = tokenizer(texts[i:i + 128], padding=True, truncation=True, max_length=max_length, return_tensors="pt")
-        out.append(masked_mean_pool(model(**batch).last_hidden_state, batch["attention_mask"]))
-    return torch.cat(out)
+    return embeddings(model, tokenizer, texts, max_length, batch_size=128)
 
 
 def chosen_layers(args, selection, k, num_layers=6) -> list[int]:
