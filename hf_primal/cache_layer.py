@@ -5,7 +5,8 @@ What works on a cache holding primal layers: ``get_seq_length``, ``get_mask_size
 (beam search, contrastive search), ``reset``, ``offload`` / ``prefetch``, and ``crop`` once the cache records its
 past: after ``cache.activate_past_recording()`` (which ``generate`` calls for assisted and prompt-lookup decoding)
 each primal layer also keeps the state after each of its last W + 1 tokens (W = ``crop_window``,
-`PrimalAttentionConfig.crop_window`, default 64), so ``crop(-n)`` for n <= W puts back exactly the state after the
+`PrimalAttentionConfig.crop_window`, default 64, widened to the number of tokens ``generate`` drafts per step
+when transformers passes it, from 5.25 on), so ``crop(-n)`` for n <= W puts back exactly the state after the
 token it returns to; more than W raises. Reading ``.keys`` / ``.values`` of a primal layer (or iterating the cache,
 which reads them) raises an error saying what the layer keeps instead.
 
@@ -139,8 +140,21 @@ class PrimalCacheLayer(CacheLayerMixin):
         self._map_state(lambda t: t[indices])
 
     # -- cropping (assisted / prompt-lookup decoding) --------------------------------
-    def activate_past_recording(self) -> None:
-        """Keep the state after each of the last `crop_window` + 1 tokens from now on, so `crop` can roll back."""
+    def activate_past_recording(self, recurrent_states_to_keep: Optional[int] = None) -> None:
+        """Keep the state after each of the last `crop_window` + 1 tokens from now on, so `crop` can roll back.
+
+        `recurrent_states_to_keep` is how many tokens the caller may take back at once (transformers >= 5.25's
+        ``generate`` passes the number of tokens it drafts per step); the window widens to it if it is larger, so a
+        draft longer than the configured ``crop_window`` can still be rolled back.
+        """
+        if recurrent_states_to_keep is not None:
+            if isinstance(recurrent_states_to_keep, bool) or not isinstance(recurrent_states_to_keep, int) \
+                    or recurrent_states_to_keep < 0:
+                raise ValueError(
+                    f"recurrent_states_to_keep must be a non-negative int (the number of tokens a crop may take "
+                    f"back), got {recurrent_states_to_keep!r}."
+                )
+            self.crop_window = max(self.crop_window, recurrent_states_to_keep)
         self.record_past = True
 
     def history_length(self) -> int:

@@ -64,7 +64,8 @@ class PrimalAttentionConfig:
         crop_window: ``W``, how many of the latest tokens a causal layer's generation cache can take back
             (``cache.crop``, used by assisted and prompt-lookup decoding). While a cache records its past (transformers
             calls ``activate_past_recording`` for those modes) each causal primal layer keeps the running state after
-            each of its last W + 1 tokens; cropping more than W tokens at once raises an error.
+            each of its last W + 1 tokens; cropping more than W tokens at once raises an error. From transformers 5.25
+            ``generate`` says how many tokens it drafts per step, and the window widens to that when it is larger.
     """
 
     layers: LayersSpec = field(default_factory=lambda: [-1])

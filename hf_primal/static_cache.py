@@ -114,7 +114,7 @@ class PrimalStaticCacheLayer(PrimalCacheLayer):
             "cache (no cache_implementation) for assisted or prompt-lookup decoding."
         )
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, recurrent_states_to_keep: Optional[int] = None) -> None:
         return None  # cropping is refused with a clear error instead
 
     def __repr__(self) -> str:

@@ -267,10 +267,55 @@ def test_crop_beyond_the_window_raises_before_cropping_anything(layers):
 
     with pytest.raises(RuntimeError, match="does not record its past.*activate_past_recording"):
         _prefill(model, ids, window_recording=False).crop(-1)
-    with pytest.raises(ValueError, match="crop_window"):  # through generate: drafts longer than the window
-        with torch.no_grad():
-            model.generate(ids, prompt_lookup_num_tokens=5, max_new_tokens=10, do_sample=False,
-                           max_matching_ngram_size=1)
+
+
+@pytest.mark.parametrize("layers", LAYOUTS)
+def test_drafts_longer_than_the_window_through_generate(layers, monkeypatch):
+    # transformers >= 5.25 tells the cache how many tokens it drafts per step (the window widens to it); older
+    # releases do not, and a draft longer than crop_window is refused naming the setting.
+    model = _gpt2(layers, crop_window=2)
+    chunk = torch.randint(1, 120, (1, 5))
+    ids = torch.cat([chunk, chunk[:, :4]], dim=1)  # its last token occurred before: prompt lookup drafts 5 tokens
+    told = []
+    original = PrimalCacheLayer.activate_past_recording
+    monkeypatch.setattr(PrimalCacheLayer, "activate_past_recording",
+                        lambda self, *a, **kw: (told.append((a, kw)), original(self, *a, **kw))[1])
+    lookup = dict(prompt_lookup_num_tokens=5, max_new_tokens=10, max_matching_ngram_size=1)
+    with torch.no_grad():
+        try:
+            drafted = model.generate(ids, do_sample=False, return_dict_in_generate=True, output_logits=True, **lookup)
+        except ValueError as error:
+            assert "crop_window" in str(error)
+            assert told and all(not a and not kw for a, kw in told)  # the cache was never told the draft length
+            return
+    assert told and all(kw == {"recurrent_states_to_keep": 5} for a, kw in told)
+    reference = _greedy(model, ids, max_new_tokens=10)
+    assert torch.equal(drafted.sequences, reference.sequences)
+    assert _max_diff(drafted.logits, reference.logits) <= 1e-5
+
+
+def test_recording_for_a_longer_draft_widens_the_window():
+    model = _gpt2([-1], crop_window=2)
+    ids = torch.randint(1, 120, (2, 14))
+    cache = DynamicCache(config=model.config)
+    from hf_primal.conversion import prepare_primal_cache
+
+    prepare_primal_cache(model, cache_kw(cache))
+    cache.activate_past_recording()
+    layer = cache.layers[primal_block_indices(model)[0]]
+    layer.activate_past_recording(recurrent_states_to_keep=6)  # what transformers >= 5.25's Cache passes on
+    assert layer.crop_window == 6
+    with torch.no_grad():
+        full = model(ids).logits
+        model(ids[:, :12], **cache_kw(cache), use_cache=True)
+        cache.crop(-6)  # three times the configured window
+        continued = model(ids[:, 6:14], **cache_kw(cache), use_cache=True).logits
+    assert (continued - full[:, 6:14]).abs().max() <= 1e-5
+    layer.activate_past_recording(recurrent_states_to_keep=1)  # a smaller request never narrows it
+    assert layer.crop_window == 6
+    for bad in (-1, 2.5, True, "4"):
+        with pytest.raises(ValueError, match=r"recurrent_states_to_keep must be a non-negative int.*" + repr(bad)[:2]):
+            layer.activate_past_recording(recurrent_states_to_keep=bad)
 
 
 def test_static_cache_crop_is_refused_before_cropping_the_softmax_layer():
