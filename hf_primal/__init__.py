@@ -46,22 +46,22 @@ def _import_all() -> None:
     if _LOADED:
         return
     # First: a transformers release that lacks an internal we hook fails here, by name, not deep in a forward.
-    from .compat import check_transformers
+    from .integration.compat import check_transformers
 
     check_transformers()
-    from .analysis import LayerSpectrum, attention_spectrum, plot_attention_spectrum
-    from .config import PrimalAttentionConfig
-    from .conversion import primal_layers
-    from .convert import convert, text_batches
-    from .embedding_metrics import knn_accuracy, neighbour_overlap
-    from .hub import enable_remote_code, register_auto_classes, save_converted
-    from .lora import lora_config
-    from .loss import clear_ksvd_terms, ksvd_loss
+    from .integration.hub import enable_remote_code, register_auto_classes, save_converted
+    from .integration.patching import install_hooks
+    from .modeling.architecture import primal_layers
+    from .modeling.config import PrimalAttentionConfig
+    from .modeling.primal import KSVDTerms, PrimalCore
     from .models import SUPPORTED_ARCHITECTURES, apply_primal_attention
-    from .patching import install_hooks
-    from .primal import KSVDTerms, PrimalCore
-    from .selection import LayerSensitivity, layer_sensitivity
-    from .trainer import PrimalTrainer
+    from .tools.analysis import LayerSpectrum, attention_spectrum, plot_attention_spectrum
+    from .tools.convert import convert, text_batches
+    from .tools.embedding_metrics import knn_accuracy, neighbour_overlap
+    from .tools.selection import LayerSensitivity, layer_sensitivity
+    from .training.lora import lora_config
+    from .training.loss import clear_ksvd_terms, ksvd_loss
+    from .training.trainer import PrimalTrainer
 
     # Bind after every import: importing a submodule sets a package attribute of the same name (`convert`).
     globals().update({name: value for name, value in locals().items() if name in __all__})
@@ -71,7 +71,7 @@ def _import_all() -> None:
 
 
 def _started_as_cli() -> bool:
-    """True while the `hf-primal` script or ``python -m hf_primal.cli`` is starting up.
+    """True while the `hf-primal` script or ``python -m hf_primal.tools.cli`` is starting up.
 
     That process runs only the CLI, which calls `_import_all` before any command, so `--help` and argument errors
     answer without importing torch and transformers (seconds). Every other ``import hf_primal`` is eager: the hooks
@@ -82,7 +82,7 @@ def _started_as_cli() -> bool:
     if script in ("hf-primal", "hf-primal-script"):
         return True
     # Under `python -m`, sys.argv[0] is "-m" while the parent packages of the target module are imported.
-    return argv[0] == "-m" and "hf_primal.cli" in getattr(sys, "orig_argv", ())
+    return argv[0] == "-m" and "hf_primal.tools.cli" in getattr(sys, "orig_argv", ())
 
 
 def __getattr__(name: str):

@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoTokenizer, HfArgumentParser, PreTrained
 
 # Importing hf_primal installs the hooks that make `primal_attention` a config option of every registered architecture.
 from hf_primal import PrimalAttentionConfig
-from hf_primal.config import parse_layers
+from hf_primal.modeling.config import parse_layers
 
 LAYERS_HELP = (
     'which attention layers run Primal-Attention: "all", or comma-separated indices such as "-1" or "0,3" '
@@ -64,7 +64,7 @@ class ModelArguments:
 
 
 def parse_primal_layers(value: str) -> Any:
-    """`hf_primal.config.parse_layers` (the CLI's parser too), with errors naming ``--primal_layers``."""
+    """`hf_primal.modeling.config.parse_layers` (the CLI's parser too), with errors naming ``--primal_layers``."""
     try:
         return parse_layers(value)
     except ValueError as error:

@@ -67,7 +67,7 @@ from transformers import BertConfig, BertModel  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hf_primal  # noqa: E402
-from hf_primal.layers import run_primal  # noqa: E402
+from hf_primal.modeling.layers import run_primal  # noqa: E402
 
 VARIANTS = ("primal-all", "primal-last", "sdpa", "eager")
 KSVD_ETA = 0.05

@@ -14,7 +14,7 @@ this one (imports are shared, not re-paid; the parent does no torch work before 
 Memory - one fresh worker per (context, variant) pair, so that every peak is that pair's own:
 
 * ``cache_bytes``: bytes of the storage behind every tensor the cache object holds right after the
-  prefill (`hf_primal.cache.cache_nbytes`: keys/values of KV layers, running sums of primal layers);
+  prefill (`hf_primal.modeling.cache.cache_nbytes`: keys/values of KV layers, running sums of primal layers);
 * ``peak_rss_mb``: the worker's peak resident set size over its whole life (model build, prefill,
   decoding), from ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` after resetting the kernel's high-water
   mark when the worker starts (``/proc/self/clear_refs``, Linux). It includes the imported libraries and
@@ -72,7 +72,7 @@ import torch
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, StaticCache
 
 import hf_primal  # noqa: F401  (lets GPT2Config take `primal_attention`)
-from hf_primal.cache import cache_kwarg, cache_nbytes
+from hf_primal.modeling.cache import cache_kwarg, cache_nbytes
 
 VARIANTS: dict[str, Optional[dict]] = {
     "all-primal": {"layers": "all"},

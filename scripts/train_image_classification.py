@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import ModelArguments, load_config, load_model, parse_args, phases, train_and_evaluate  # noqa: E402
 
 from hf_primal import PrimalTrainer  # noqa: E402
-from hf_primal.metrics import load_metric  # noqa: E402
+from hf_primal.tools.metrics import load_metric  # noqa: E402
 
 DATASETS = ("digits",)
 

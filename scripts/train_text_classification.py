@@ -45,7 +45,7 @@ from _common import (  # noqa: E402
 )
 
 from hf_primal import PrimalTrainer  # noqa: E402
-from hf_primal.metrics import load_metric  # noqa: E402
+from hf_primal.tools.metrics import load_metric  # noqa: E402
 
 
 @dataclass

@@ -8,7 +8,7 @@ import torch
 from transformers import BertConfig, GPT2Config, ViTConfig
 
 import hf_primal  # noqa: F401  (installs the hooks under test)
-from hf_primal.cache import cache_kwarg
+from hf_primal.modeling.cache import cache_kwarg
 
 
 def cache_kw(cache) -> dict:

@@ -1,7 +1,7 @@
 """Independent, loop-by-loop re-computation of the method in docs/method.md (non-causal layer, causal layer, KSVD loss).
 
 Deliberately naive (Python loops over sequences, heads and positions) so that it shares no code and no
-vectorisation tricks with hf_primal.primal.
+vectorisation tricks with hf_primal.modeling.primal.
 """
 
 import torch

@@ -1,11 +1,11 @@
-"""hf_primal.analysis: known spectra, primal kernels against a dense SVD, the per-layer API and the plot."""
+"""hf_primal.tools.analysis: known spectra, primal kernels against a dense SVD, the per-layer API and the plot."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers import BertModel, GPT2Model
 
-from hf_primal.analysis import (
+from hf_primal.tools.analysis import (
     attention_spectrum,
     cumulative_from_singular_values,
     cumulative_spectrum,

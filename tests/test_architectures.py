@@ -16,8 +16,8 @@ import transformers
 from peft import get_peft_model
 
 import hf_primal
-from hf_primal.cache import PrimalCacheLayer
-from hf_primal.hub import REMOTE_CODE_FILES, hub_heads
+from hf_primal.integration.hub import REMOTE_CODE_FILES, hub_heads
+from hf_primal.modeling.cache import PrimalCacheLayer
 from hf_primal.models import ARCHITECTURES, BY_NAME, find_architecture
 from tests.architectures import CASES, inputs, pad_id
 from tests.conftest import cache_kw, capture_layer_io

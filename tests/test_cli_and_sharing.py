@@ -28,8 +28,8 @@ from transformers import (
 )
 
 import hf_primal
-from hf_primal.cli import CLIError, build_parser, check_source, main
-from hf_primal.hub import REMOTE_CODE_FILES
+from hf_primal.integration.hub import REMOTE_CODE_FILES
+from hf_primal.tools.cli import CLIError, build_parser, check_source, main
 from tests.conftest import bert_config, gpt2_config, vit_config
 
 BLOCK_PLUGIN = "import sys; sys.modules['hf_primal'] = None  # `import hf_primal` fails here\n"
@@ -45,7 +45,7 @@ def run_child(code: str, cwd, plugin: bool = False, args=("-c",)) -> subprocess.
 
 
 def _minilm_tokenizer():
-    from hf_primal.demo import minilm_path
+    from hf_primal.tools.demo import minilm_path
 
     return AutoTokenizer.from_pretrained(minilm_path())
 
@@ -281,7 +281,7 @@ def _cli(args, cwd, importtime=False):
     flags = ["-X", "importtime"] if importtime else []
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["HF_HUB_OFFLINE"] = "1"
-    return subprocess.run([sys.executable, *flags, "-m", "hf_primal.cli", *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, *flags, "-m", "hf_primal.tools.cli", *args], cwd=cwd, env=env,
                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
 
 
@@ -295,7 +295,8 @@ def test_help_imports_neither_torch_nor_transformers(tmp_path, args):
     result = _cli(args, tmp_path, importtime=True)
     assert result.returncode == 0 and "usage: hf-primal" in result.stdout, result.stderr[-2000:]
     modules = _imported(result.stderr)
-    assert "argparse" in modules and not modules & {"torch", "transformers", "hf_primal.models", "hf_primal.layers"}
+    assert "argparse" in modules
+    assert not modules & {"torch", "transformers", "hf_primal.models", "hf_primal.modeling.layers"}
 
 
 def test_console_script_help_is_light(tmp_path):

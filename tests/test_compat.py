@@ -15,7 +15,7 @@ from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.generation.utils import GenerationMixin
 
 import hf_primal  # noqa: F401  (installs the hooks)
-from hf_primal import compat
+from hf_primal.integration import compat
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -105,7 +105,7 @@ def test_import_fails_clearly_when_transformers_lacks_a_hooked_internal():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("hf_primal.compat.IncompatibleTransformersError")
+    assert last.startswith("hf_primal.integration.compat.IncompatibleTransformersError")
     assert "GenerationMixin._prepare_cache_for_generation" in last
     assert f"installed transformers {transformers.__version__}" in last and compat.TRANSFORMERS_RANGE in last
 

@@ -24,7 +24,7 @@ from transformers import (
 
 import hf_primal
 from hf_primal import convert, primal_layers
-from hf_primal.hub import REMOTE_CODE_FILES
+from hf_primal.integration.hub import REMOTE_CODE_FILES
 from tests.conftest import bert_config, gpt2_config, vit_config
 
 AUTO = {
@@ -306,7 +306,7 @@ def test_model_push_to_hub_uploads_the_shareable_folder(tmp_path, monkeypatch):
 
 
 def _minilm():
-    from hf_primal.demo import minilm_path
+    from hf_primal.tools.demo import minilm_path
 
     return minilm_path()
 
@@ -318,7 +318,7 @@ def test_cli_convert_with_calibration_and_push(tmp_path, monkeypatch):
     AutoTokenizer.from_pretrained(_minilm()).save_pretrained(src)
     text = tmp_path / "calib.txt"
     text.write_text("\n".join(f"sentence number {i} talks about the weather and the city" for i in range(40)))
-    from hf_primal.cli import main
+    from hf_primal.tools.cli import main
 
     assert main(["convert", str(src), str(tmp_path / "out"), "--layers", "-1", "--low-rank", "4",
                  "--calibration", str(text), "--method", "transfer", "--calibration-steps", "10",
@@ -340,7 +340,7 @@ def test_cli_convert_distills_and_the_card_records_it(tmp_path, capsys):
     text = tmp_path / "calib.txt"
     words = "the city weather market river music school garden train letter bright quiet early".split()
     text.write_text("\n".join(" ".join(words[(i * 7 + j) % len(words)] for j in range(5 + i % 6)) for i in range(60)))
-    from hf_primal.cli import main
+    from hf_primal.tools.cli import main
 
     assert main(["convert", str(src), str(tmp_path / "out"), "--low-rank", "4", "--calibration", str(text),
                  "--steps", "40", "--learning-rate", "1e-3", "--batch-size", "8"]) == 0
@@ -354,7 +354,7 @@ def test_cli_convert_distills_and_the_card_records_it(tmp_path, capsys):
 
 
 def test_cli_rejects_bad_layers(capsys):
-    from hf_primal.cli import main
+    from hf_primal.tools.cli import main
 
     with pytest.raises(SystemExit):
         main(["convert", "a", "b", "--layers", "best"])
@@ -362,7 +362,7 @@ def test_cli_rejects_bad_layers(capsys):
 
 
 def test_demo_reduced_mode(tmp_path, capsys):
-    from hf_primal.demo import EXAMPLES, run_demo
+    from hf_primal.tools.demo import EXAMPLES, run_demo
 
     results = run_demo(str(tmp_path / "demo"), quick=True)
     printed = capsys.readouterr().out

@@ -1,5 +1,5 @@
-"""The decoding fast path (hf_primal/primal.py `PrimalCore._decode_step`): a causal primal layer continuing a cached
-state with autograd off skips the KSVD terms and the general path's per-step buffers. Checked against the full
+"""The decoding fast path (hf_primal/modeling/primal.py `PrimalCore._decode_step`): a causal primal layer continuing a
+cached state with autograd off skips the KSVD terms and the general path's per-step buffers. Checked against the full
 forward of the same model, and that everything that needs the terms (training, evaluation under no_grad with the
 cache transformers creates, PrimalTrainer's eval) still gets them."""
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from hf_primal.embedding_metrics import knn_accuracy, nearest_neighbours, neighbour_overlap
+from hf_primal.tools.embedding_metrics import knn_accuracy, nearest_neighbours, neighbour_overlap
 
 
 def _cosine(a, b):

@@ -1,4 +1,4 @@
-"""GPT-2 / causal BERT generation with the constant-size primal cache (hf_primal/cache.py).
+"""GPT-2 / causal BERT generation with the constant-size primal cache (hf_primal/modeling/cache.py).
 
 Reference for every check is the model itself without a cache: a full forward over the whole sequence,
 or `generate(use_cache=False)`, which re-runs the full prefix at each step. The tiny models use a large
@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import BertLMHeadModel, DynamicCache, DynamicLayer, GPT2LMHeadModel
 
-from hf_primal.cache import PrimalCacheLayer, cache_nbytes
+from hf_primal.modeling.cache import PrimalCacheLayer, cache_nbytes
 from tests.conftest import bert_config, cache_kw, gpt2_config, primal_block_indices, returned_cache
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,12 +1,12 @@
-"""hf_primal.primal against the loop-by-loop spec in tests/reference.py, and its hand-written backward."""
+"""hf_primal.modeling.primal against the loop-by-loop spec in tests/reference.py, and its hand-written backward."""
 
 import copy
 
 import pytest
 import torch
 
-from hf_primal.primal import PrimalCore, ksvd_objective
-from hf_primal.sampling import SAMPLING_RULES, sample_token_indices
+from hf_primal.modeling.primal import PrimalCore, ksvd_objective
+from hf_primal.modeling.sampling import SAMPLING_RULES, sample_token_indices
 from tests.reference import reference_causal, reference_layer_J, reference_noncausal
 
 H, D, S = 3, 4, 5
@@ -241,7 +241,7 @@ def test_lambda_reaches_the_output_through_a_zero_tie():
 def test_short_sequences_sum_weights_per_token_like_the_gathered_rows(rule, mask):
     # N < p: the layer sums W_e / W_r rows per token instead of gathering p rows. Same y, terms and gradients as
     # the direct formula X_s^T W_e on the gathered rows (built here with plain autograd ops), for both rules.
-    from hf_primal.sampling import _sample_tokens, sampled_weights
+    from hf_primal.modeling.sampling import _sample_tokens, sampled_weights
 
     batch, length, samples = 3, 6, 10
     core = _core(False, samples)

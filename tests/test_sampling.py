@@ -8,9 +8,9 @@ import torch
 from transformers import AutoModel, BertModel
 
 from hf_primal import PrimalAttentionConfig
-from hf_primal.config import saved_config_dict
-from hf_primal.primal import ksvd_objective
-from hf_primal.sampling import sample_token_indices
+from hf_primal.modeling.config import saved_config_dict
+from hf_primal.modeling.primal import ksvd_objective
+from hf_primal.modeling.sampling import sample_token_indices
 from tests.conftest import bert_config
 from tests.reference import reference_layer_J, reference_noncausal, reference_sample_ranks
 from tests.test_primal_math import D, H, _core, _qk

@@ -28,7 +28,7 @@ from transformers import (
 )
 
 import hf_primal
-from hf_primal.metrics import load_metric, metric_path
+from hf_primal.tools.metrics import load_metric, metric_path
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "scripts"
@@ -374,7 +374,7 @@ def test_cli_and_scripts_parse_layers_the_same(text, expected):
     """One parser: the CLI's --layers and the scripts' --primal_layers accept and refuse the same strings."""
     import argparse
 
-    from hf_primal.cli import _layers
+    from hf_primal.tools.cli import _layers
 
     common = _load_script("_common")
     if expected is None:
@@ -389,7 +389,7 @@ def test_cli_and_scripts_parse_layers_the_same(text, expected):
 @pytest.mark.parametrize("choice", ["auto", "last", " Auto "])
 def test_only_convert_takes_the_measured_or_last_k_choice(choice):
     # `hf-primal convert --layers auto|last --num-primal-layers K`; a training script has no K to pair it with.
-    from hf_primal.cli import _layers
+    from hf_primal.tools.cli import _layers
 
     assert _layers(choice) == choice.strip().lower()
     with pytest.raises(ValueError, match="--primal_layers"):

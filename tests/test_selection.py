@@ -121,8 +121,8 @@ def test_bad_layer_choices_are_refused():
 def test_cli_converts_the_measured_layers(tmp_path, capsys):
     from transformers import AutoTokenizer, BertModel
 
-    from hf_primal.cli import main
-    from hf_primal.demo import minilm_path
+    from hf_primal.tools.cli import main
+    from hf_primal.tools.demo import minilm_path
 
     src = tmp_path / "src"
     torch.manual_seed(0)

@@ -33,8 +33,8 @@ from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightRenaming
 
 import hf_primal
-from hf_primal.cache import PrimalCacheLayer, cache_nbytes
-from hf_primal.primal import PrimalCore
+from hf_primal.modeling.cache import PrimalCacheLayer, cache_nbytes
+from hf_primal.modeling.primal import PrimalCore
 from tests.conftest import bert_config, cache_kw, gpt2_config, vit_config
 
 HEADS, HEAD_DIM = 4, 8  # every tiny config: hidden 32, 4 heads

@@ -12,14 +12,14 @@ from typing import Any
 
 from torch import nn
 
-from ..conversion import Architecture, convert_layers
+from ..modeling.architecture import Architecture, convert_layers
 from . import bert, deit, distilbert, gpt2, roberta, vit
 
 _MODULES = (bert, vit, gpt2, roberta, distilbert, deit)
 
 ARCHITECTURES: tuple[Architecture, ...] = tuple(module.ARCHITECTURE for module in _MODULES)
 BY_NAME: dict[str, Architecture] = {a.name: a for a in ARCHITECTURES}
-# The module each architecture's record lives in (hf_primal/hub.py copies it next to shared checkpoints).
+# The module each architecture's record lives in (hf_primal/integration/hub.py copies it next to shared checkpoints).
 SOURCE_FILES: dict[str, str] = {module.ARCHITECTURE.name: module.__file__ for module in _MODULES}
 
 SUPPORTED_ARCHITECTURES = ", ".join(

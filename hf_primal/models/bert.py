@@ -2,8 +2,8 @@
 
 from transformers.models.bert import modeling_bert
 
-from ..conversion import BERT_LAYOUT, causal_when_decoder
-from ..shareable import define_architecture
+from ..modeling.architecture import BERT_LAYOUT, causal_when_decoder
+from ..modeling.shareable import define_architecture
 
 # Defines PrimalBertSelfAttention, PrimalBertConfig and a shareable Primal* twin of every BERT model class here.
 ARCHITECTURE = define_architecture(globals(), modeling_bert.BertPreTrainedModel, modeling_bert.BertSelfAttention,

@@ -3,9 +3,9 @@ tokens."""
 
 from transformers.models.deit import modeling_deit
 
-from ..conversion import VIT_LAYOUT
-from ..layers import patch_tokens
-from ..shareable import define_architecture
+from ..modeling.architecture import VIT_LAYOUT
+from ..modeling.layers import patch_tokens
+from ..modeling.shareable import define_architecture
 
 ARCHITECTURE = define_architecture(globals(), modeling_deit.DeiTPreTrainedModel, modeling_deit.DeiTAttention,
                                    VIT_LAYOUT, max_tokens=lambda config: patch_tokens(config, extra=2))

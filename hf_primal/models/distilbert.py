@@ -2,8 +2,8 @@
 
 from transformers.models.distilbert import modeling_distilbert
 
-from ..conversion import Layout
-from ..shareable import define_architecture
+from ..modeling.architecture import Layout
+from ..modeling.shareable import define_architecture
 
 ARCHITECTURE = define_architecture(
     globals(), modeling_distilbert.DistilBertPreTrainedModel, modeling_distilbert.DistilBertSelfAttention,

@@ -4,9 +4,9 @@ import torch
 from transformers.models.gpt2 import modeling_gpt2
 from transformers.pytorch_utils import Conv1D
 
-from ..conversion import Layout
-from ..layers import pop_cache, run_primal, split_heads
-from ..shareable import define_architecture
+from ..modeling.architecture import Layout
+from ..modeling.layers import pop_cache, run_primal, split_heads
+from ..modeling.shareable import define_architecture
 
 
 class PrimalGPT2Attention(modeling_gpt2.GPT2Attention):

@@ -2,8 +2,8 @@
 
 from transformers.models.roberta import modeling_roberta
 
-from ..conversion import BERT_LAYOUT, causal_when_decoder
-from ..shareable import define_architecture
+from ..modeling.architecture import BERT_LAYOUT, causal_when_decoder
+from ..modeling.shareable import define_architecture
 
 ARCHITECTURE = define_architecture(
     globals(), modeling_roberta.RobertaPreTrainedModel, modeling_roberta.RobertaSelfAttention, BERT_LAYOUT,

@@ -2,9 +2,9 @@
 
 from transformers.models.vit import modeling_vit
 
-from ..conversion import VIT_LAYOUT
-from ..layers import patch_tokens
-from ..shareable import define_architecture
+from ..modeling.architecture import VIT_LAYOUT
+from ..modeling.layers import patch_tokens
+from ..modeling.shareable import define_architecture
 
 ARCHITECTURE = define_architecture(globals(), modeling_vit.ViTPreTrainedModel, modeling_vit.ViTAttention, VIT_LAYOUT,
                                    max_tokens=lambda config: patch_tokens(config, extra=1))

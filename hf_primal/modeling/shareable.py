@@ -17,8 +17,8 @@ import tempfile
 from types import ModuleType
 from typing import Any, Optional
 
+from .architecture import Architecture, Layout, convert_layers, init_primal_core, prepare_primal_cache
 from .config import saved_config_dict
-from .conversion import Architecture, Layout, convert_layers, init_primal_core, prepare_primal_cache
 from .layers import PrimalProjectedAttention
 from .model_card import model_card
 

@@ -13,7 +13,7 @@ import sys
 import traceback
 from typing import NoReturn, Optional, Sequence
 
-from .config import PrimalAttentionConfig, parse_layers  # standard library only
+from ..modeling.config import PrimalAttentionConfig, parse_layers  # standard library only
 
 _DEFAULTS = PrimalAttentionConfig()  # the one home of the defaults the flags below show and use
 

@@ -154,7 +154,7 @@ def patch(path: str, replacement: Any) -> None:
     """Replace a listed internal marked ``patched`` (so every patch hf_primal makes is in `INTERNALS`)."""
     entry = _entry(path)
     if not entry.patched:
-        raise KeyError(f"{path!r} is listed in hf_primal.compat.INTERNALS as relied on, not patched")
+        raise KeyError(f"{path!r} is listed in hf_primal.integration.compat.INTERNALS as relied on, not patched")
     owner_path, _, name = entry.path.rpartition(".")
     setattr(_resolve(owner_path), name, replacement)
 
@@ -167,7 +167,8 @@ def _entry(path: str) -> Internal:
     for entry in INTERNALS:
         if entry.path == path:
             return entry
-    raise KeyError(f"{path!r} is not listed in hf_primal.compat.INTERNALS; list every transformers internal you use")
+    raise KeyError(f"{path!r} is not listed in hf_primal.integration.compat.INTERNALS; list every transformers "
+                   "internal you use")
 
 
 def check_transformers(internals: tuple[Internal, ...] = INTERNALS) -> None:

@@ -14,16 +14,13 @@ from transformers import AutoConfig
 from transformers.models.auto import modeling_auto
 from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
 
-from .model_card import model_card
-from .models import ARCHITECTURES, BY_NAME, SOURCE_FILES, find_architecture, shareable_class
+from ..modeling.model_card import model_card
+from ..models import ARCHITECTURES, BY_NAME, SOURCE_FILES, find_architecture, shareable_class
 
-# The flat modules a shared folder needs besides its architecture's module; they import only torch, transformers
-# and each other (`from .x import`), which is what transformers' remote-code loader resolves.
-REMOTE_CODE_FILES = (
-    "config.py", "sampling.py", "kernel.py", "heads.py", "decode.py", "primal.py", "cache_layer.py", "static_cache.py",
-    "cache.py", "layers.py", "conversion.py", "shareable.py", "model_card.py",
-)
-_PACKAGE_DIR = Path(__file__).resolve().parent
+# The remote code of every shared folder: the whole `hf_primal.modeling` package, whose modules import only torch,
+# transformers and each other (`from .x import`, which is what transformers' remote-code loader resolves).
+_MODELING_DIR = Path(__file__).resolve().parents[1] / "modeling"
+REMOTE_CODE_FILES = tuple(sorted(p.name for p in _MODELING_DIR.glob("*.py") if p.name != "__init__.py"))
 
 # Auto classes whose mapping names a stock class of a registered architecture; the primal subclass is registered
 # beside it.
@@ -85,18 +82,18 @@ def write_remote_code(save_directory: str | os.PathLike, arch: str) -> list[str]
 
     transformers' remote-code loader imports ``<module>.<Class>`` from the folder and follows only ``from .x import``
     lines between files of the same folder, so the architecture's module (hf_primal/models/<arch>.py, which imports
-    the shared modules with ``from ..x import``) is written as ``modeling_primal_<arch>.py`` importing them with
-    ``from .x import``, next to copies of `REMOTE_CODE_FILES`. Returns the file names written.
+    the modeling package with ``from ..modeling.x import``) is written as ``modeling_primal_<arch>.py`` importing
+    them with ``from .x import``, next to copies of `REMOTE_CODE_FILES`. Returns the file names written.
     """
     folder = Path(save_directory)
     written = []
     for name in REMOTE_CODE_FILES:
-        (folder / name).write_text((_PACKAGE_DIR / name).read_text(encoding="utf-8"), encoding="utf-8")
+        (folder / name).write_text((_MODELING_DIR / name).read_text(encoding="utf-8"), encoding="utf-8")
         written.append(name)
     source = Path(SOURCE_FILES[arch]).read_text(encoding="utf-8")
     entry = f"{remote_module(arch)}.py"
-    (folder / entry).write_text(re.sub(r"^from \.\.(\w+) import", r"from .\1 import", source, flags=re.MULTILINE),
-                                encoding="utf-8")
+    flat = re.sub(r"^from \.\.modeling\.(\w+) import", r"from .\1 import", source, flags=re.MULTILINE)
+    (folder / entry).write_text(flat, encoding="utf-8")
     return written + [entry]
 
 

@@ -3,7 +3,7 @@
 Packed rows hold several sequences (padding-free training): `segment_starts` / `_segmented_cumsum` restart the
 causal prefix sums at each segment, `_Packing` turns each segment of a non-causal batch into a sequence of its own.
 `prefix_mean_features`, `sampled_gram` and `kernel_matrix` build, with plain autograd ops, the kernel matrix whose
-KSVD a layer computes (``output_attentions=True``, hf_primal.analysis).
+KSVD a layer computes (``output_attentions=True``, hf_primal.tools.analysis).
 """
 
 from __future__ import annotations

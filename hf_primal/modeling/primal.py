@@ -24,8 +24,8 @@ stay per row.
 forward, with plain autograd ops, only when asked.
 
 The scores, head map and KSVD sums of both variants run in one autograd function with a hand-written backward,
-`_PrimalHeads` (hf_primal/heads.py, which also says how it is made fast on CPU). Token sampling is in sampling.py,
-packed segments, prefix means and the kernel matrix in kernel.py, the one-token decoding step in decode.py.
+`_PrimalHeads` (fused_heads.py, which also says how it is made fast on CPU). Token sampling is in sampling.py, packed
+segments, prefix means and the kernel matrix in kernel.py, the one-token decoding step in decode.py.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .decode import decode_step
-from .heads import _heads_forward, _PrimalHeads
+from .fused_heads import _heads_forward, _PrimalHeads
 from .kernel import (
     NORM_EPS,
     _Packing,
@@ -167,7 +167,7 @@ class PrimalCore(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, valid: Optional[torch.Tensor], state: CausalState
     ) -> tuple[torch.Tensor, CausalState]:
         """`causal_forward` for one new token continuing `state`, without autograd and without KSVD terms
-        (hf_primal/decode.py)."""
+        (hf_primal/modeling/decode.py)."""
         y, new_state = decode_step(q, k, valid, state, self.We, self.Wr, self.head_map.weight, self.head_map.bias)
         return y, CausalState(*new_state)
 

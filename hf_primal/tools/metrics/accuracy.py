@@ -1,7 +1,7 @@
 """Accuracy as a local `evaluate` module.
 
 `evaluate.load("accuracy")` fetches its script from the Hugging Face Hub, which fails offline; loading this
-file by path (``evaluate.load(hf_primal.metrics.metric_path("accuracy"))``) needs no network.
+file by path (``evaluate.load(hf_primal.tools.metrics.metric_path("accuracy"))``) needs no network.
 """
 
 from __future__ import annotations

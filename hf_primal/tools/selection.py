@@ -18,10 +18,10 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .calibration import collect_batches
-from .config import PrimalAttentionConfig
-from .distill import distill, frozen_copy
-from .models import apply_primal_attention, find_architecture
+from ..modeling.config import PrimalAttentionConfig
+from ..models import apply_primal_attention, find_architecture
+from ..training.calibration import collect_batches
+from ..training.distill import distill, frozen_copy
 
 LAYER_CHOICES = ("auto", "last")
 

@@ -5,7 +5,7 @@ Each architecture's ``Primal*Attention.forward`` (hf_primal/models/) computes it
 talks to the generation cache and runs the layer's `PrimalCore`.
 
 Imports only torch, transformers and the flat modules `cache`, `primal`: copied next to shared checkpoints as remote
-code (hf_primal/hub.py, `REMOTE_CODE_FILES`).
+code (hf_primal/integration/hub.py, `REMOTE_CODE_FILES`).
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from .cache import primal_cache_layer
-from .cache_layer import DEFAULT_CROP_WINDOW
-from .static_cache import PrimalStaticCacheLayer
+from .cache_layers import DEFAULT_CROP_WINDOW, PrimalStaticCacheLayer
 
 try:  # transformers records layer outputs (attentions, hidden states) with hooks while this collector is active
     from transformers.utils.output_capturing import _active_collector as _OUTPUT_COLLECTOR

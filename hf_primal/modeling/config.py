@@ -19,7 +19,7 @@ _REDUCTIONS = ("sequence", "batch")
 # primal_attention without the field was written before "even" existed and keeps the rule it was trained with.
 SAMPLING_RULES = ("even", "legacy")
 SAMPLING_WHEN_NOT_SAVED = "legacy"
-_DEFAULT_CROP_WINDOW = 64  # hf_primal.cache_layer.DEFAULT_CROP_WINDOW
+_DEFAULT_CROP_WINDOW = 64  # hf_primal.modeling.cache_layers.DEFAULT_CROP_WINDOW
 
 
 LAYERS_SYNTAX = '"all" or comma-separated integer layer indices such as "-1" or "0,3"'

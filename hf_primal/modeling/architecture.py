@@ -21,7 +21,7 @@ from transformers import initialization as hf_init
 from transformers.cache_utils import Cache
 
 from .cache import primal_cache_layer
-from .cache_layer import DEFAULT_CROP_WINDOW, cache_kwarg
+from .cache_layers import DEFAULT_CROP_WINDOW, cache_kwarg
 from .config import PrimalAttentionConfig
 from .primal import PrimalCore
 from .sampling import num_sampled_tokens
@@ -95,7 +95,7 @@ class Architecture(Layout):
         base_class: the architecture's ``*PreTrainedModel``; a model is of this architecture when it is an instance.
         attention_class: the stock attention module that becomes primal.
         primal_class: its ``Primal*`` subclass (usually `layers.PrimalProjectedAttention` first, no code of its own).
-        shareable_config: the ``Primal*Config`` subclass with model_type ``primal_<name>`` (hf_primal/shareable.py).
+        shareable_config: the ``Primal*Config`` subclass with model_type ``primal_<name>`` (shareable.py).
         shareable_models: stock model class -> its shareable ``Primal*`` subclass, for every head.
         max_tokens: config -> N_max, the longest input (p = min(N_max, s * m), docs/method.md "Non-causal layer");
             by default the position table.

@@ -6,16 +6,20 @@ retrieval still works. These two measures say that directly, for embeddings of h
 * `knn_accuracy`: each query takes the majority label of its k nearest index embeddings (cosine similarity);
 * `neighbour_overlap`: the fraction of each query's k nearest index items that two models share.
 
-Plain torch, no transformers import.
+`pooled_embeddings` and `heldout_neighbour_overlap` measure models on tokenised batches (the conversion report's
+figure); the measures themselves are plain torch on embedding matrices.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Union
+from collections.abc import Mapping, Sequence
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from ..training.distill import last_hidden, masked_mean_pool, model_inputs, needs_hidden_flag
 
 Labels = Union[Sequence[int], torch.Tensor]
 
@@ -94,3 +98,38 @@ def neighbour_overlap(index_a: torch.Tensor, queries_a: torch.Tensor, index_b: t
     b = nearest_neighbours(index_b, queries_b, k)
     shared = (a[:, :, None] == b[:, None, :]).any(-1).sum(-1)
     return float(shared.double().mean() / k)
+
+
+@torch.no_grad()
+def pooled_embeddings(model: nn.Module, batches: Sequence[Mapping[str, torch.Tensor]], causal: bool = False
+                      ) -> torch.Tensor:
+    """Mean-pooled final hidden states of every row of `batches`, (rows, C), in eval mode."""
+    was = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    extra = {"use_cache": False} if causal else {}
+    if needs_hidden_flag(model):
+        extra["output_hidden_states"] = True
+    out = []
+    for batch in batches:
+        inputs = model_inputs(batch, device)
+        out.append(masked_mean_pool(last_hidden(model(**inputs, **extra)).float(), inputs.get("attention_mask")))
+    model.train(was)
+    return torch.cat(out)
+
+
+def heldout_neighbour_overlap(student: nn.Module, teacher: nn.Module, batches: Sequence[Mapping[str, torch.Tensor]],
+                              causal: bool = False, k: int = 10) -> Optional[dict]:
+    """How much of what the teacher's embeddings retrieve the student's still retrieve, on held-out batches.
+
+    The held-out rows are split in two: the first half is the index, the second the queries; the result is the mean
+    fraction of each query's k nearest index rows (cosine of mean-pooled states) that both models share. None when
+    there are fewer than 4 held-out rows.
+    """
+    s, t = pooled_embeddings(student, batches, causal), pooled_embeddings(teacher, batches, causal)
+    half = s.shape[0] // 2
+    if half < 2:
+        return None
+    k = min(k, half)
+    return {"k": k, "index": half, "queries": s.shape[0] - half,
+            "overlap": neighbour_overlap(t[:half], t[half:], s[:half], s[half:], k=k)}

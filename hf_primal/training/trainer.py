@@ -10,12 +10,12 @@ import torch
 from torch import nn
 from transformers import Trainer
 
+from ..integration.compat import check_trainer_instance
+from ..modeling.config import PrimalAttentionConfig
+from ..models import find_architecture
 from .calibration import input_columns
-from .compat import check_trainer_instance
-from .config import PrimalAttentionConfig
 from .distill import check_compatible, resolve_target, student_teacher_loss
 from .loss import REDUCTIONS, clear_ksvd_terms, collect_ksvd_terms, ksvd_from_terms, primal_model
-from .models import find_architecture
 
 # Chosen by measurement: fine-tuning all-MiniLM-L6-v2 with its last layer primal on BBC News sentences (1 epoch,
 # lr 1e-4) gave 81.49% accuracy with the primal parameters at 1x the learning rate and 81.40% at 10x, so the default

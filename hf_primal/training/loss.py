@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .primal import KSVDTerms, ksvd_objective
+from ..modeling.primal import KSVDTerms, ksvd_objective
 
 REDUCTIONS = ("sequence", "batch")
 

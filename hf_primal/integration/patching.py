@@ -26,12 +26,12 @@ import sys
 
 from transformers import PreTrainedConfig
 
+from ..modeling.architecture import init_primal_core, prepare_primal_cache
+from ..modeling.config import PrimalAttentionConfig, saved_config_dict
+from ..modeling.shareable import PrimalModelMixin
+from ..models import apply_primal_attention, drop_value_renamings
 from . import compat
-from .config import PrimalAttentionConfig, saved_config_dict
-from .conversion import init_primal_core, prepare_primal_cache
 from .hub import save_shareable
-from .models import apply_primal_attention, drop_value_renamings
-from .shareable import PrimalModelMixin
 
 _INSTALLED = False
 

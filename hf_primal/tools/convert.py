@@ -22,12 +22,13 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .calibration import as_batches, collect_batches, heldout_indices, text_batches
-from .config import PrimalAttentionConfig
-from .distill import distill, frozen_copy, heldout_neighbour_overlap
-from .hub import enable_remote_code
-from .layers import valid_tokens
-from .models import find_architecture
+from ..integration.hub import enable_remote_code
+from ..modeling.config import PrimalAttentionConfig
+from ..modeling.layers import valid_tokens
+from ..models import find_architecture
+from ..training.calibration import as_batches, collect_batches, heldout_indices, text_batches
+from ..training.distill import distill, frozen_copy
+from .embedding_metrics import heldout_neighbour_overlap
 from .selection import choose_layers, swap_to_primal
 
 __all__ = ["METHODS", "convert", "text_batches"]

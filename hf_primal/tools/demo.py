@@ -52,11 +52,11 @@ def minilm_path() -> str:
 
 
 def _lines(name: str) -> list[str]:
-    return resources.files("hf_primal").joinpath("data", name).read_text(encoding="utf-8").splitlines()
+    return resources.files("hf_primal.tools").joinpath("data", name).read_text(encoding="utf-8").splitlines()
 
 
 def _sentiment() -> list[tuple[str, int]]:
-    text = resources.files("hf_primal").joinpath("data", "sentiment.csv").read_text(encoding="utf-8")
+    text = resources.files("hf_primal.tools").joinpath("data", "sentiment.csv").read_text(encoding="utf-8")
     return [(row["text"], int(row["label"])) for row in csv.DictReader(text.splitlines())]
 
 
@@ -75,7 +75,7 @@ def _augment(sentences: list[str], extra: int, seed: int) -> list[str]:
 
 @torch.no_grad()
 def _embeddings(encoder, tokenizer, texts: list[str], batch: int = 64) -> torch.Tensor:
-    from .distill import masked_mean_pool
+    from ..training.distill import masked_mean_pool
 
     encoder.eval()
     chunks = []
@@ -111,7 +111,7 @@ def run_demo(
     )
     from transformers.utils import logging as hf_logging
 
-    from . import PrimalAttentionConfig, PrimalTrainer, convert, primal_layers, save_converted
+    from .. import PrimalAttentionConfig, PrimalTrainer, convert, primal_layers, save_converted
     from .convert import text_batches
     from .metrics import load_metric
 

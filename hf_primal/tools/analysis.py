@@ -13,7 +13,7 @@ restricted to the sequence's valid tokens:
   K = Q_hat K_hat^T (``"identity"``, f(X) = I);
 * causal primal layers: K = Q_hat K_hat^T on the normalised prefix means (plain W_e, W_r, f(X) = I).
 
-The primal kernels are built by the same functions (`hf_primal.kernel`) as the matrices primal layers return
+The primal kernels are built by the same functions (`hf_primal.modeling.kernel`) as the matrices primal layers return
 with ``output_attentions=True`` (the "sampled" one; for causal layers the spectrum is that of the full product,
 not of its lower triangle). They have rank <= d, so their singular values come from a d x d core (QR of Q_hat
 and K_hat) instead of an N x N SVD. `plot_attention_spectrum` draws the paper-style mean +- std curves per
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernel import NORM_EPS, prefix_mean_features, sampled_gram
+from ..modeling.kernel import NORM_EPS, prefix_mean_features, sampled_gram
 
 SOFTMAX, PRIMAL, PRIMAL_CAUSAL = "softmax", "primal", "primal-causal"
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from torch import nn
 
-from .models import find_architecture
+from ..models import find_architecture
 
 
 def lora_config(model: nn.Module, r: int = 8, lora_alpha: int = 16, lora_dropout: float = 0.0, **kwargs: Any):

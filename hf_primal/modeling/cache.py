@@ -16,8 +16,7 @@ import types
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, EncoderDecoderCache, StaticLayer
 
-from .cache_layer import DEFAULT_CROP_WINDOW, PrimalCacheLayer, cache_kwarg
-from .static_cache import PrimalStaticCacheLayer
+from .cache_layers import DEFAULT_CROP_WINDOW, PrimalCacheLayer, PrimalStaticCacheLayer, cache_kwarg
 
 __all__ = [
     "DEFAULT_CROP_WINDOW",

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..modeling.config import PrimalAttentionConfig
 from .calibration import HELDOUT_EVERY, heldout_indices
-from .config import PrimalAttentionConfig
 from .loss import ksvd_loss, primal_model
 
 TARGETS = ("auto", "hidden", "logits")
@@ -82,7 +82,7 @@ def logits_kl_loss(
     return kl.mean() * t * t
 
 
-def _last_hidden(outputs: Any) -> torch.Tensor:
+def last_hidden(outputs: Any) -> torch.Tensor:
     hidden = getattr(outputs, "last_hidden_state", None)
     if hidden is None:
         states = getattr(outputs, "hidden_states", None)
@@ -137,7 +137,7 @@ def student_teacher_loss(
 ) -> torch.Tensor:
     """The distillation term for one batch: hidden-state matching or logits KL (`target` already resolved)."""
     if target == "hidden":
-        return hidden_state_loss(_last_hidden(student_out), _last_hidden(teacher_out), mask, pooled_weight)
+        return hidden_state_loss(last_hidden(student_out), last_hidden(teacher_out), mask, pooled_weight)
     s_logits, t_logits = getattr(student_out, "logits", None), getattr(teacher_out, "logits", None)
     if s_logits is None or t_logits is None:
         raise ValueError("target='logits' needs models whose outputs have logits; use target='hidden'.")
@@ -167,28 +167,28 @@ class DistillResult:
         return dict(vars(self))
 
 
-def _model_inputs(batch: Mapping[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
+def model_inputs(batch: Mapping[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
     return {k: v.to(device) for k, v in batch.items() if isinstance(v, torch.Tensor) and k != "labels"}
 
 
 def _forward_pair(student, teacher, inputs, target, causal):
     extra = {"use_cache": False} if causal else {}
-    want_hidden = target == "hidden" and _needs_hidden_flag(student)
+    want_hidden = target == "hidden" and needs_hidden_flag(student)
     kwargs = {**inputs, **extra, **({"output_hidden_states": True} if want_hidden else {})}
     with torch.no_grad():
         t_out = teacher(**kwargs)
     return student(**kwargs), t_out
 
 
-def _needs_hidden_flag(model: nn.Module) -> bool:
+def needs_hidden_flag(model: nn.Module) -> bool:
     # Base models return last_hidden_state; models with a head need output_hidden_states=True to expose it.
     return resolve_target(model, "auto") == "logits"
 
 
 def _pooled_cosine(student_out, teacher_out, mask) -> torch.Tensor:
     return F.cosine_similarity(
-        masked_mean_pool(_last_hidden(student_out).float(), mask),
-        masked_mean_pool(_last_hidden(teacher_out).float(), mask),
+        masked_mean_pool(last_hidden(student_out).float(), mask),
+        masked_mean_pool(last_hidden(teacher_out).float(), mask),
         dim=-1,
     )
 
@@ -238,7 +238,7 @@ def _heldout_figures(student, teacher, held, device, target, temperature, pooled
     cos_sum, cos_n = 0.0, 0
     with torch.no_grad():
         for batch in held:
-            inputs = _model_inputs(batch, device)
+            inputs = model_inputs(batch, device)
             s_out, t_out = _forward_pair(student, teacher, inputs, target, causal)
             mask = inputs.get("attention_mask")
             n = next(iter(inputs.values())).shape[0]
@@ -326,7 +326,7 @@ def distill(
         if not order:
             order = list(range(len(train)))
             rng.shuffle(order)
-        inputs = _model_inputs(train[order.pop()], device)
+        inputs = model_inputs(train[order.pop()], device)
         s_out, t_out = _forward_pair(student, teacher, inputs, target, causal)
         loss = student_teacher_loss(s_out, t_out, inputs.get("attention_mask"), target, temperature, pooled_weight)
         if eta > 0:
@@ -361,43 +361,6 @@ def distill(
         curve=curve,
         seconds=round(time.time() - started, 1),
     )
-
-
-@torch.no_grad()
-def pooled_embeddings(model: nn.Module, batches: Sequence[Mapping[str, torch.Tensor]], causal: bool = False
-                      ) -> torch.Tensor:
-    """Mean-pooled final hidden states of every row of `batches`, (rows, C), in eval mode."""
-    was = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    extra = {"use_cache": False} if causal else {}
-    if _needs_hidden_flag(model):
-        extra["output_hidden_states"] = True
-    out = []
-    for batch in batches:
-        inputs = _model_inputs(batch, device)
-        out.append(masked_mean_pool(_last_hidden(model(**inputs, **extra)).float(), inputs.get("attention_mask")))
-    model.train(was)
-    return torch.cat(out)
-
-
-def heldout_neighbour_overlap(student: nn.Module, teacher: nn.Module, batches: Sequence[Mapping[str, torch.Tensor]],
-                              causal: bool = False, k: int = 10) -> Optional[dict]:
-    """How much of what the teacher's embeddings retrieve the student's still retrieve, on held-out batches.
-
-    The held-out rows are split in two: the first half is the index, the second the queries; the result is the mean
-    fraction of each query's k nearest index rows (cosine of mean-pooled states) that both models share. None when
-    there are fewer than 4 held-out rows.
-    """
-    from .embedding_metrics import neighbour_overlap
-
-    s, t = pooled_embeddings(student, batches, causal), pooled_embeddings(teacher, batches, causal)
-    half = s.shape[0] // 2
-    if half < 2:
-        return None
-    k = min(k, half)
-    return {"k": k, "index": half, "queries": s.shape[0] - half,
-            "overlap": neighbour_overlap(t[:half], t[half:], s[:half], s[half:], k=k)}
 
 
 def frozen_copy(model: nn.Module) -> nn.Module:

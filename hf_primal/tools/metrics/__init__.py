@@ -16,7 +16,7 @@ AVAILABLE = ("accuracy",)
 def metric_path(name: str) -> str:
     """Path of the bundled metric script `name` (e.g. ``"accuracy"``), suitable for `evaluate.load`."""
     if name not in AVAILABLE:
-        raise ValueError(f"hf_primal.metrics: no bundled metric {name!r}; available: {list(AVAILABLE)}.")
+        raise ValueError(f"hf_primal.tools.metrics: no bundled metric {name!r}; available: {list(AVAILABLE)}.")
     return os.path.join(_HERE, f"{name}.py")
 
 

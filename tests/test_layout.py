@@ -1,0 +1,68 @@
+"""The package's layout rules (docs/architecture.md), read from the source with `ast`.
+
+- `hf_primal.modeling` is the remote code of every shared folder: its modules import only the standard library,
+  torch, transformers and each other, flat (``from .x import``), and never hf_primal by absolute name.
+- The method modules are plain torch: no transformers import.
+- The architecture modules (`hf_primal.models.<arch>`) import hf_primal only from `..modeling`, so that their
+  flattened copy (``modeling_primal_<arch>.py``) finds everything beside it.
+- No module of the package is over 400 lines.
+"""
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "hf_primal"
+MODELING = sorted((PACKAGE / "modeling").glob("*.py"))
+METHOD = ("primal", "sampling", "kernel", "fused_heads", "decode")
+ARCHITECTURES = sorted(p for p in (PACKAGE / "models").glob("*.py") if p.name != "__init__.py")
+THIRD_PARTY_OK = {"torch", "transformers"}
+
+
+def _imports(path: Path):
+    """(level, module, names) of every import statement of `path`, at any depth (lazy imports included)."""
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom):
+            yield node.level, node.module or "", [a.name for a in node.names]
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                yield 0, alias.name, []
+
+
+def _top(module: str) -> str:
+    return module.split(".")[0]
+
+
+@pytest.mark.parametrize("path", MODELING, ids=lambda p: p.name)
+def test_modeling_modules_import_only_torch_transformers_and_their_siblings(path):
+    siblings = {p.stem for p in MODELING}
+    for level, module, _ in _imports(path):
+        if level == 0:
+            top = _top(module)
+            assert top in THIRD_PARTY_OK or top in sys.stdlib_module_names or top == "__future__", (path.name, module)
+        else:
+            assert level == 1, (path.name, level, module)  # flat: what transformers' remote-code loader follows
+            assert module in siblings, (path.name, module)
+
+
+@pytest.mark.parametrize("name", METHOD)
+def test_method_modules_are_plain_torch(name):
+    tops = {_top(module) for level, module, _ in _imports(PACKAGE / "modeling" / f"{name}.py") if level == 0}
+    assert "transformers" not in tops, name
+
+
+@pytest.mark.parametrize("path", ARCHITECTURES, ids=lambda p: p.name)
+def test_architecture_modules_import_hf_primal_only_from_modeling(path):
+    for level, module, _ in _imports(path):
+        if level == 0:
+            assert _top(module) != "hf_primal", (path.name, module)
+        else:
+            assert level == 2 and module.startswith("modeling."), (path.name, level, module)
+
+
+def test_no_module_is_over_400_lines():
+    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > 400}
+    assert not long, long
