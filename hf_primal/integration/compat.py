@@ -71,6 +71,8 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("transformers.utils.output_capturing._active_collector",
              "return the kernel matrix when output_attentions=True is requested through the output collector"),
     Internal(f"{_PM}._keys_to_ignore_on_load_unexpected", "keep dropped value projections out of the load report"),
+    Internal(f"{_PM}.initialize_weights", "initialise the primal cores of shareable classes where hf_primal is not "
+             "installed (remote code)"),
     Internal("transformers.initialization.orthogonal_", "initialise W_e and W_r"),
     Internal("transformers.initialization.uniform_", "initialise Lambda"),
     Internal(f"{_CU}.Cache", "fill gaps of a cache with the layer class it replicates",

@@ -26,10 +26,10 @@ import sys
 
 from transformers import PreTrainedConfig
 
-from ..modeling.architecture import init_primal_core, prepare_primal_cache
+from ..modeling import hooks
 from ..modeling.config import PrimalAttentionConfig, saved_config_dict
 from ..modeling.shareable import PrimalModelMixin
-from ..models import apply_primal_attention, drop_value_renamings
+from ..models import drop_value_renamings, find_architecture
 from . import compat
 from .hub import save_shareable
 
@@ -40,6 +40,12 @@ def _normalise(config) -> None:
     value = config.__dict__.get("primal_attention")
     if value is not None:
         config.__dict__["primal_attention"] = PrimalAttentionConfig.coerce(value).to_dict()
+
+
+def _acts_on(model) -> bool:
+    """Whether the global hooks act on `model`: its config asks for primal attention (shareable Primal* classes
+    included: their own hook methods defer to these patches while hf_primal is imported)."""
+    return getattr(getattr(model, "config", None), "primal_attention", None) is not None
 
 
 _PM = "transformers.modeling_utils.PreTrainedModel"
@@ -70,22 +76,20 @@ def install_hooks() -> None:
 
     original_post_init = compat.original(f"{_PM}.post_init")
 
+    @hooks.mark_global_hook(original_post_init)
     def post_init(self):
-        wants_primal = getattr(self.config, "primal_attention", None) is not None
-        if wants_primal:
-            _normalise(self.config)
-        ignore = apply_primal_attention(self) if wants_primal else []
-        original_post_init(self)
-        if ignore:
-            # Value projections of primal layers are gone on purpose: keep them out of the load report.
-            self._keys_to_ignore_on_load_unexpected = set(self._keys_to_ignore_on_load_unexpected or ()) | set(ignore)
+        if not _acts_on(self):
+            return original_post_init(self)
+        _normalise(self.config)
+        hooks.post_init(self, find_architecture(self), lambda: original_post_init(self))
 
     original_init_weights = compat.original(f"{_PM}._init_weights")
 
+    @hooks.mark_global_hook(original_init_weights)
     def _init_weights(self, module):
         original_init_weights(self, module)
-        if getattr(module, "_is_primal_core", False):
-            init_primal_core(module)
+        if _acts_on(self):
+            hooks.init_weights(module)
 
     original_save_pretrained = compat.original(f"{_PM}.save_pretrained")
 
@@ -118,10 +122,11 @@ def install_hooks() -> None:
     prepare_path = "transformers.generation.utils.GenerationMixin._prepare_cache_for_generation"
     original_prepare_cache = compat.original(prepare_path)
 
+    @hooks.mark_global_hook(original_prepare_cache)
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         result = original_prepare_cache(self, generation_config, model_kwargs, *args, **kwargs)
-        if getattr(getattr(self, "config", None), "primal_attention", None) is not None:
-            prepare_primal_cache(self, model_kwargs, generation_config)
+        if _acts_on(self):
+            hooks.prepare_cache(self, model_kwargs, generation_config)
         return result
 
     _wrap_conversion_mapping()

@@ -17,8 +17,11 @@ import tempfile
 from types import ModuleType
 from typing import Any, Optional
 
-from .architecture import Architecture, Layout, convert_layers, init_primal_core, prepare_primal_cache
+from transformers import GenerationMixin, PreTrainedModel
+
+from .architecture import Architecture, Layout
 from .config import saved_config_dict
+from .hooks import global_hook_installed, init_weights, post_init, prepare_cache
 from .layers import PrimalProjectedAttention
 from .model_card import model_card
 
@@ -34,10 +37,10 @@ class PrimalConfigMixin:
 
 
 class PrimalModelMixin:
-    """Converts in `post_init` (the plugin's hook does the same when it is installed; conversion is idempotent),
-    and writes a model card next to the weights."""
+    """The hooks of `hooks` as methods, for where hf_primal is not installed (where it is, its global patches do
+    the same work and these methods only call them), and a model card written next to the weights."""
 
-    _primal_architecture = None  # set by `conversion.Architecture`
+    _primal_architecture = None  # set by `architecture.Architecture`
 
     def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
         result = super().save_pretrained(save_directory, *args, **kwargs)
@@ -67,19 +70,23 @@ class PrimalModelMixin:
 
     def _prepare_cache_for_generation(self, generation_config: Any, model_kwargs: dict, *args: Any, **kwargs: Any):
         result = super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        prepare_primal_cache(self, model_kwargs, generation_config)
+        if not global_hook_installed(GenerationMixin._prepare_cache_for_generation):
+            prepare_cache(self, model_kwargs, generation_config)
         return result
 
     def post_init(self) -> None:
-        ignore = convert_layers(self, self._primal_architecture)
-        super().post_init()
-        if ignore:
-            self._keys_to_ignore_on_load_unexpected = set(self._keys_to_ignore_on_load_unexpected or ()) | set(ignore)
+        if global_hook_installed(PreTrainedModel.post_init):
+            return super().post_init()
+        post_init(self, self._primal_architecture, super().post_init)
 
-    def _init_weights(self, module: Any) -> None:
-        super()._init_weights(module)
-        if getattr(module, "_is_primal_core", False):
-            init_primal_core(module)
+    def initialize_weights(self) -> None:
+        super().initialize_weights()
+        if not global_hook_installed(PreTrainedModel._init_weights):
+            # Not in `_init_weights`: transformers initialises the modules of a stock sub-model (the `bert` of
+            # PrimalBertForSequenceClassification) with that sub-model's own `_init_weights`, which knows nothing of
+            # primal cores. Tensors a checkpoint filled are skipped (transformers' init helpers).
+            for module in self.modules():
+                init_weights(module)
 
 
 def shareable_classes(
