@@ -71,6 +71,10 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("transformers.utils.output_capturing._active_collector",
              "return the kernel matrix when output_attentions=True is requested through the output collector"),
     Internal(f"{_PM}._keys_to_ignore_on_load_unexpected", "keep dropped value projections out of the load report"),
+    Internal(f"{_PM}._can_record_outputs", "register the outputs a model swapped to a shareable class can record"),
+    Internal("transformers.integrations.peft.PeftAdapterMixin._hf_peft_config_loaded",
+             "leave adapter-only saves of transformers' PEFT integration as they are"),
+    Internal("torch.Tensor._version", "tell whether a cached tensor was modified in place (packed-segment cache)"),
     Internal(f"{_PM}.initialize_weights", "initialise the primal cores of shareable classes where hf_primal is not "
              "installed (remote code)"),
     Internal("transformers.initialization.orthogonal_", "initialise W_e and W_r"),
@@ -114,6 +118,12 @@ INTERNALS: tuple[Internal, ...] = (
               "commit_description")),
     Internal("torch._dynamo.mark_static_address", "keep static-cache buffers at fixed addresses for compiled decoding"),
     Internal(f"{_TR}.log", "log ksvd_loss, task_loss and distill_loss with the loss"),
+)
+
+# Instance attributes transformers' constructors set (so not resolvable on the class); tests/test_compat.py builds
+# a tiny config and checks each.
+CONFIG_ATTRIBUTES = (
+    ("_attn_implementation", "switch a model to eager attention for `attention_spectrum` and back"),
 )
 
 # Set by Trainer.__init__; checked by PrimalTrainer after it ran (instances only).

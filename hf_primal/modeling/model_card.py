@@ -36,7 +36,7 @@ def model_card(model: Any, tags: Optional[list[str]] = None) -> str:
     spec = PrimalAttentionConfig.coerce(model.config.primal_attention)
     layers = [name for name, m in model.named_modules() if getattr(m, "_is_primal_attention", False)]
     report = getattr(model, "primal_conversion_report", None) or {}
-    base = report.get("base_model") or _hub_id(getattr(model.config, "_name_or_path", "") or "")
+    base = report.get("base_model") or _hub_id(getattr(model.config, "name_or_path", "") or "")
     auto = _card_auto_class(model)
     lines = ["---", "library_name: transformers"]
     if base:

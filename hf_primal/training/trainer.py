@@ -29,18 +29,24 @@ def is_primal_parameter(name: str) -> bool:
     return ".primal." in f".{name}"
 
 
-def _loss_uses_num_items(model: nn.Module) -> bool:
-    """Whether the head's loss honours `num_items_in_batch` (transformers' `self.loss_function`).
+@torch.no_grad()
+def _loss_honours_num_items(model: nn.Module, inputs: dict) -> bool:
+    """Whether `model`'s loss on `inputs` is divided by ``num_items_in_batch`` (transformers' ``self.loss_function``).
 
     Heads such as BertForSequenceClassification accept **kwargs (so Trainer believes their loss is already
     normalised over the accumulated batch) yet compute a plain per-batch mean; gradient accumulation then
-    over-weights them by the number of accumulation steps.
+    over-weights them by the number of accumulation steps. Measured, not read from the source: the loss with
+    1 and with 2 items, in eval mode (no dropout); an honoured count halves it.
     """
+    was_training = model.training
+    model.eval()
     try:
-        source = inspect.getsource(type(model).forward)
-    except (OSError, TypeError):
-        return True
-    return "loss_function" in source
+        one, two = (model(**inputs, num_items_in_batch=n)["loss"].float() for n in (1, 2))
+    finally:
+        model.train(was_training)
+        clear_ksvd_terms(model)
+    return bool(torch.isfinite(one) and torch.allclose(one, 2 * two, rtol=1e-4, atol=1e-6)
+                and not torch.allclose(one, two, rtol=1e-4, atol=1e-6))
 
 
 def _declare_causal_lm_loss(model: Optional[nn.Module]) -> None:
@@ -136,9 +142,7 @@ class PrimalTrainer(Trainer):
                 "reentrant checkpointing runs the forward under no_grad, so the KSVD term would silently get no "
                 "gradient. Use the default non-reentrant checkpointing."
             )
-        base = inner.base_model.model if hasattr(inner, "base_model") and hasattr(inner.base_model, "model") else inner
-        if self.loss_is_scaled_for_ga is None and not _loss_uses_num_items(base):
-            self.model_accepts_loss_kwargs = False
+        self._num_items_checked = False
         if self.args.ddp_find_unused_parameters is None:
             # Every parameter gets a gradient each step (the KSVD term reaches Lambda even when eta == 0), so DDP
             # need not search the graph for unused ones.
@@ -276,6 +280,12 @@ class PrimalTrainer(Trainer):
         )
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if not self._num_items_checked and model.training and num_items_in_batch is not None:
+            # Once, at the first training step: Trainer passes num_items_in_batch to any head that takes **kwargs.
+            self._num_items_checked = True
+            if (self.model_accepts_loss_kwargs and self.loss_is_scaled_for_ga is None and "labels" in inputs
+                    and not _loss_honours_num_items(model, inputs)):
+                self.model_accepts_loss_kwargs = False
         distilling = self.teacher is not None and model.training
         if distilling:
             inputs = {**inputs, **self._student_extra(model)}
