@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -331,3 +332,17 @@ def test_convert_by_transfer_and_distillation(tmp_path, name, method):
     reloaded = getattr(transformers, case.auto_head).from_pretrained(tmp_path / "out").eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(**batches[0]).logits, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_primal_class_is_findable_by_name_in_its_module(name):
+    # The attention class is a `class` statement; the config and model twins, made by define_architecture, are
+    # listed by name in __all__, which must be exactly what the module holds (a new head in transformers shows up
+    # here as a missing name).
+    module = sys.modules[BY_NAME[name].primal_class.__module__]
+    source = Path(module.__file__).read_text(encoding="utf-8")
+    made = {n for n, v in vars(module).items() if isinstance(v, type) and n.startswith("Primal")
+            and v.__module__ == module.__name__}
+    assert set(module.__all__) == made | {"ARCHITECTURE"}
+    assert re.search(rf"^class {BY_NAME[name].primal_class.__name__}\(", source, re.MULTILINE)
+    assert all(f'"{n}"' in source for n in made)

@@ -61,6 +61,26 @@ def install_hooks() -> None:
     global _INSTALLED
     if _INSTALLED:
         return
+    _wrap_conversion_mapping()
+    _install_generation_hook()
+    _install_saving_hooks()
+    _install_config_hooks()
+    _install_model_hooks()
+    _INSTALLED = True
+
+
+def _install_config_hooks() -> None:
+    original_get_config_dict = compat.original(f"{_PC}.get_config_dict").__func__
+
+    def get_config_dict(cls, *args, **kwargs):
+        config_dict, unused = original_get_config_dict(cls, *args, **kwargs)
+        # A checkpoint saved without `sampling` keeps the rule it was trained with, whichever class reads it.
+        config_dict = saved_config_dict(config_dict)
+        # "primal_bert" read by BertConfig: same fields, and the hooks rebuild the primal layers from
+        # primal_attention, so transformers' "model of type primal_bert ... type bert" warning would be noise.
+        if cls.model_type and config_dict.get("model_type") == f"primal_{cls.model_type}":
+            config_dict = {**config_dict, "model_type": cls.model_type}
+        return config_dict, unused
 
     original_config_post_init = compat.original(f"{_PC}.__post_init__")
 
@@ -74,6 +94,14 @@ def install_hooks() -> None:
         _normalise(self)
         return original_to_dict(self)
 
+    compat.patch(f"{_PC}.get_config_dict", classmethod(get_config_dict))
+    # A class attribute, not a patched method: routes `from_pretrained(..., primal_attention=...)` into the config.
+    PreTrainedConfig.primal_attention = None
+    compat.patch(f"{_PC}.__post_init__", __post_init__)
+    compat.patch(f"{_PC}.to_dict", to_dict)
+
+
+def _install_model_hooks() -> None:
     original_post_init = compat.original(f"{_PM}.post_init")
 
     @hooks.mark_global_hook(original_post_init)
@@ -91,6 +119,11 @@ def install_hooks() -> None:
         if _acts_on(self):
             hooks.init_weights(module)
 
+    compat.patch(f"{_PM}.post_init", post_init)
+    compat.patch(f"{_PM}._init_weights", _init_weights)
+
+
+def _install_saving_hooks() -> None:
     original_save_pretrained = compat.original(f"{_PM}.save_pretrained")
 
     def save_pretrained(self, save_directory, *args, **kwargs):
@@ -107,18 +140,11 @@ def install_hooks() -> None:
             return original_push_to_hub(self, *args, **kwargs)
         return PrimalModelMixin.push_to_hub(self, *args, **kwargs)
 
-    original_get_config_dict = compat.original(f"{_PC}.get_config_dict").__func__
+    compat.patch(f"{_PM}.save_pretrained", save_pretrained)
+    compat.patch(f"{_PM}.push_to_hub", push_to_hub)
 
-    def get_config_dict(cls, *args, **kwargs):
-        config_dict, unused = original_get_config_dict(cls, *args, **kwargs)
-        # A checkpoint saved without `sampling` keeps the rule it was trained with, whichever class reads it.
-        config_dict = saved_config_dict(config_dict)
-        # "primal_bert" read by BertConfig: same fields, and the hooks rebuild the primal layers from
-        # primal_attention, so transformers' "model of type primal_bert ... type bert" warning would be noise.
-        if cls.model_type and config_dict.get("model_type") == f"primal_{cls.model_type}":
-            config_dict = {**config_dict, "model_type": cls.model_type}
-        return config_dict, unused
 
+def _install_generation_hook() -> None:
     prepare_path = "transformers.generation.utils.GenerationMixin._prepare_cache_for_generation"
     original_prepare_cache = compat.original(prepare_path)
 
@@ -129,18 +155,7 @@ def install_hooks() -> None:
             hooks.prepare_cache(self, model_kwargs, generation_config)
         return result
 
-    _wrap_conversion_mapping()
     compat.patch(prepare_path, _prepare_cache_for_generation)
-    compat.patch(f"{_PM}.save_pretrained", save_pretrained)
-    compat.patch(f"{_PM}.push_to_hub", push_to_hub)
-    compat.patch(f"{_PC}.get_config_dict", classmethod(get_config_dict))
-    # A class attribute, not a patched method: routes `from_pretrained(..., primal_attention=...)` into the config.
-    PreTrainedConfig.primal_attention = None
-    compat.patch(f"{_PC}.__post_init__", __post_init__)
-    compat.patch(f"{_PC}.to_dict", to_dict)
-    compat.patch(f"{_PM}.post_init", post_init)
-    compat.patch(f"{_PM}._init_weights", _init_weights)
-    _INSTALLED = True
 
 
 def _wrap_conversion_mapping() -> None:

@@ -10,14 +10,14 @@ code (hf_primal/integration/hub.py, `REMOTE_CODE_FILES`).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
 from .cache import primal_cache_layer
-from .cache_layers import DEFAULT_CROP_WINDOW, PrimalStaticCacheLayer
+from .cache_layers import DEFAULT_CROP_WINDOW, PrimalCacheLayer, PrimalStaticCacheLayer
 
 try:  # transformers records layer outputs (attentions, hidden states) with hooks while this collector is active
     from transformers.utils.output_capturing import _active_collector as _OUTPUT_COLLECTOR
@@ -152,6 +152,32 @@ def attentions_requested(module: nn.Module, kwargs: dict) -> bool:
     return bool(flag)
 
 
+def _causal(
+    core: nn.Module, layer: Optional[PrimalCacheLayer], q: torch.Tensor, k: torch.Tensor,
+    valid: Optional[torch.Tensor], segments: Optional[torch.Tensor], wanted: bool, static: bool,
+) -> tuple[torch.Tensor, Any, Optional[torch.Tensor]]:
+    """A causal primal layer's step: continue the cache `layer`'s state (if any), write the new state back, and
+    form the kernel matrix when attentions are `wanted`. Returns (y, KSVD terms, attention or None)."""
+    if static and wanted:
+        layer.write(None, q.shape[2], key_features=q)  # raises: attentions need every earlier token's key
+    state = layer.current_state() if layer is not None else None
+    history = layer.history_request() if layer is not None else 0
+    y, terms, new_state = core(q, k, valid=valid, state=state, segments=segments, history=history)
+    attention = keys = None
+    if wanted:
+        past = None
+        if layer is not None and layer.seen > 0:
+            if layer.key_features is None:
+                raise ValueError(layer.missing_key_history())
+            past = layer.key_features
+        attention, keys = core.attention_kernel(q, k, valid=valid, state=state, segments=segments, past_keys=past)
+    elif layer is not None and layer.key_features is not None:
+        keys = core.key_features(k, valid, state)  # keep the history complete for later steps that ask
+    if layer is not None:
+        layer.write(new_state, q.shape[2], keys)
+    return y, terms, attention
+
+
 def run_primal(
     module: nn.Module,
     q: torch.Tensor,
@@ -189,23 +215,7 @@ def run_primal(
         past=layer.cumulative_length if static else None,
     )
     if causal:
-        if static and wanted:
-            layer.write(None, length, key_features=q)  # raises: attentions need every earlier token's key
-        state = layer.current_state() if layer is not None else None
-        history = layer.history_request() if layer is not None else 0
-        y, terms, new_state = core(q, k, valid=valid, state=state, segments=segments, history=history)
-        keys = None
-        if wanted:
-            past = None
-            if layer is not None and layer.seen > 0:
-                if layer.key_features is None:
-                    raise ValueError(layer.missing_key_history())
-                past = layer.key_features
-            attention, keys = core.attention_kernel(q, k, valid=valid, state=state, segments=segments, past_keys=past)
-        elif layer is not None and layer.key_features is not None:
-            keys = core.key_features(k, valid, state)  # keep the history complete for later steps that ask
-        if layer is not None:
-            layer.write(new_state, length, keys)
+        y, terms, attention = _causal(core, layer, q, k, valid, segments, wanted, static)
     else:
         y, terms, _ = core(q, k, x=x, valid=valid, segments=segments)
         if wanted:

@@ -77,6 +77,36 @@ class CausalState(NamedTuple):
 
 
 
+def _prefix_sums(
+    q: torch.Tensor, k: torch.Tensor, valid: Optional[torch.Tensor], state: Optional[CausalState],
+    segments: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Running sums of q and k (B, H, L, d) and valid-token counts (B, L) after each new token, from `state`;
+    restarting at each packed segment. Sums are fp32 or wider: long prefixes lose precision in half precision."""
+    batch, _, length, _ = q.shape
+    if valid is not None:
+        drop = ~valid[:, None, :, None]
+        q, k = q.masked_fill(drop, 0.0), k.masked_fill(drop, 0.0)
+        counts = valid.float()
+    else:
+        counts = torch.ones(batch, length, device=q.device, dtype=torch.float32)
+    wide = torch.promote_types(q.dtype, torch.float32)
+    if segments is not None:
+        starts = segment_starts(segments)
+        sum_q = _segmented_cumsum(q, starts, dim=2).to(wide)
+        sum_k = _segmented_cumsum(k, starts, dim=2).to(wide)
+        counts = _segmented_cumsum(counts, starts, dim=1).float()
+    else:
+        sum_q = torch.cumsum(q, dim=2, dtype=wide)
+        sum_k = torch.cumsum(k, dim=2, dtype=wide)
+        counts = counts.cumsum(dim=1)
+    if state is not None:
+        sum_q = sum_q + state.sum_q[:, :, None, :]
+        sum_k = sum_k + state.sum_k[:, :, None, :]
+        counts = counts + state.count[:, None]
+    return sum_q, sum_k, counts
+
+
 class PrimalCore(nn.Module):
     """The parameters Primal-Attention adds to one attention layer, and its math.
 
@@ -250,8 +280,7 @@ class PrimalCore(nn.Module):
             decoding: continuing `state` with autograd off), and the state after the L tokens (of the last packed
             sequence).
         """
-        batch, heads, length, dim = q.shape
-        dtype = q.dtype
+        length, dtype = q.shape[2], q.dtype
         if segments is not None and state is not None:
             raise ValueError("packed segments start new sequences: they cannot continue a cached state")
         # Decoding: continuing a cached state with autograd off. Generation never reads the KSVD terms, so they are
@@ -261,27 +290,7 @@ class PrimalCore(nn.Module):
         if decoding and length == 1 and history == 0:
             y, new_state = self._decode_step(q, k, valid, state)
             return y, None, new_state
-        if valid is not None:
-            drop = ~valid[:, None, :, None]
-            q, k = q.masked_fill(drop, 0.0), k.masked_fill(drop, 0.0)
-            counts = valid.float()
-        else:
-            counts = torch.ones(batch, length, device=q.device, dtype=torch.float32)
-        # fp32 running sums: long prefixes lose precision in half precision.
-        wide = torch.promote_types(dtype, torch.float32)
-        if segments is not None:
-            starts = segment_starts(segments)
-            sum_q = _segmented_cumsum(q, starts, dim=2).to(wide)
-            sum_k = _segmented_cumsum(k, starts, dim=2).to(wide)
-            counts = _segmented_cumsum(counts, starts, dim=1).float()
-        else:
-            sum_q = torch.cumsum(q, dim=2, dtype=wide)
-            sum_k = torch.cumsum(k, dim=2, dtype=wide)
-            counts = counts.cumsum(dim=1)  # (B, L)
-        if state is not None:
-            sum_q = sum_q + state.sum_q[:, :, None, :]
-            sum_k = sum_k + state.sum_k[:, :, None, :]
-            counts = counts + state.count[:, None]
+        sum_q, sum_k, counts = _prefix_sums(q, k, valid, state, segments)
         # Clones, so that a cache holding the state does not pin the whole (B, H, L, d) prefix sums.
         if history > 0:
             n = min(length, int(history))

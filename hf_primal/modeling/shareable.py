@@ -22,7 +22,6 @@ from transformers import GenerationMixin, PreTrainedModel
 from .architecture import Architecture, Layout
 from .config import saved_config_dict
 from .hooks import global_hook_installed, init_weights, post_init, prepare_cache
-from .layers import PrimalProjectedAttention
 from .model_card import model_card
 
 
@@ -123,30 +122,26 @@ def shareable_classes(
 
 
 def define_architecture(namespace: dict, base_class: type, attention_class: type, layout: Layout,
-                        primal_class: Optional[type] = None, **record: Any) -> Architecture:
-    """Define one architecture's primal classes in `namespace` and return its `Architecture` record.
+                        primal_class: type, **record: Any) -> Architecture:
+    """Define one architecture's shareable classes in `namespace` and return its `Architecture` record.
 
     Args:
-        namespace: the architecture module's ``globals()``. ``Primal<attention class>``, ``Primal<Config>`` and the
-            shareable model classes are defined there under their names, so that pickle and an ``auto_map`` entry
-            such as ``"modeling_primal_bert.PrimalBertModel"`` (the module copied as remote code) find them.
+        namespace: the architecture module's ``globals()``. ``Primal<Config>`` and the shareable model classes are
+            defined there under their names (the module lists them in ``__all__``), so that pickle and an ``auto_map``
+            entry such as ``"modeling_primal_bert.PrimalBertModel"`` (the module copied as remote code) find them.
         base_class: the architecture's ``*PreTrainedModel``. Its ``config_class`` gives the name (``model_type``)
             and the config to subclass; its module, the model classes that get shareable twins (`shareable_classes`).
         attention_class: the stock attention module that becomes primal.
-        layout: where the attention modules are and what their projections are called (a `conversion` preset when
-            the architecture shares one).
-        primal_class: a subclass of `attention_class` with a forward of its own (GPT-2's fused ``c_attn``). By
-            default ``Primal<attention class>``, with `layers.PrimalProjectedAttention`'s shared forward first.
+        layout: where the attention modules are and what their projections are called (an `architecture` preset
+            when the architecture shares one).
+        primal_class: the module's ``Primal<attention class>``: ``(PrimalProjectedAttention, <attention class>)``
+            with no code of its own for two-linear q/k projections, or a forward of its own (GPT-2's fused
+            ``c_attn``).
         **record: the `Architecture` fields that have defaults (``max_tokens``, ``causal``,
             ``lora_fan_in_fan_out``), where the architecture differs from them.
     """
-    module = namespace["__name__"]
-    if primal_class is None:
-        name = f"Primal{attention_class.__name__}"
-        doc = f"``{attention_class.__name__}`` computed by Primal-Attention (`PrimalProjectedAttention`'s forward)."
-        primal_class = type(name, (PrimalProjectedAttention, attention_class),
-                            {"__module__": module, "__qualname__": name, "__doc__": doc})
-        namespace[name] = primal_class
+    if not (isinstance(primal_class, type) and issubclass(primal_class, attention_class)):
+        raise TypeError(f"define_architecture: primal_class {primal_class!r} must subclass {attention_class.__name__}")
     config_class = base_class.config_class
     config, models = shareable_classes(namespace, config_class.model_type, config_class,
                                        sys.modules[base_class.__module__], base_class)

@@ -46,3 +46,18 @@ ARCHITECTURE = define_architecture(
     lora_fan_in_fan_out=True,  # Conv1D stores its weight transposed
     causal_lm_heads=("GPT2LMHeadModel",),
 )
+
+# PrimalGPT2Config and the shareable twin of every gpt2 model class
+# of the installed transformers are made by define_architecture (shareable.shareable_classes);
+# tests/test_architectures.py checks this list against them.
+__all__ = [
+    "ARCHITECTURE",
+    "PrimalGPT2Attention",
+    "PrimalGPT2Config",
+    "PrimalGPT2DoubleHeadsModel",
+    "PrimalGPT2ForQuestionAnswering",
+    "PrimalGPT2ForSequenceClassification",
+    "PrimalGPT2ForTokenClassification",
+    "PrimalGPT2LMHeadModel",
+    "PrimalGPT2Model",
+]
