@@ -57,7 +57,8 @@ def test_quick_benchmark_writes_complete_csv_summary_and_plot(tmp_path):
     share = summary["bert-base primal middle share of attention sub-layer fwd+bwd (N=128)"]
     # Its value is checked against the raw rows above (middle / sub-layer medians); no bound on it here: those are two
     # separately timed steps, and under load the middle alone took longer than the sub-layer (1.96 in one CI run).
-    assert float(share["value"]) > 0 and share["target"] == "<= 0.2" and share["met"] in ("True", "False")
+    assert float(share["value"]) > 0 and share["target"] == "<= 0.2"
+    assert share["met"] == str(float(share["value"]) <= 0.2)
     assert "lra primal-all train speedup vs sdpa (N=128)" in summary
     assert any(name.startswith("environment: torch") for name in summary)
 

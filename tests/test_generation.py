@@ -8,6 +8,7 @@ sequences then say something about the cache.
 
 import csv
 import importlib.util
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -281,8 +282,13 @@ def test_benchmark_script_quick_mode(tmp_path, monkeypatch):
     assert cache[("stock-sdpa", 48)] == 2 * 2 * 48 * 64 * 4
     assert cache[("all-primal", 16)] == cache[("all-primal", 48)] == 2 * (2 * 64 + 1) * 4
     assert cache[("last-layer-primal", 48)] == (2 * 48 * 64 + 2 * 64 + 1) * 4
-    stock16 = next(r for r in rows if r["variant"] == "stock-sdpa" and r["context"] == "16")
-    assert float(stock16["latency_ms_vs_stock"]) == 1.0
+    # Every "x stock" column is the row's raw figure over the stock row's at the same context, recomputed here.
+    raw = {(r["variant"], r["context"]): r for r in rows}
+    for row in rows:
+        stock = raw[("stock-sdpa", row["context"])]
+        for key in ("latency_ms", "cache_bytes", "decode_peak_rss_mb"):
+            assert float(row[f"{key}_vs_stock"]) == pytest.approx(float(row[key]) / float(stock[key]), rel=1e-6), key
+    assert float(raw[("all-primal", "48")]["cache_bytes_vs_stock"]) == pytest.approx((2 * 64 + 1) / (2 * 48 * 64))
     png = tmp_path / "generation_benchmark.png"
     assert png.stat().st_size > 10_000
     assert "x stock" in result.stdout and "all-primal" in result.stdout
@@ -306,3 +312,21 @@ def test_benchmark_script_quick_mode(tmp_path, monkeypatch):
     replotted = bench.main(["--replot", "--out-dir", str(tmp_path)])
     assert {(r["variant"], r["context"]): r["cache_bytes"] for r in replotted} == cache
     assert png.stat().st_size > 10_000
+
+
+def test_benchmark_ratios_on_known_timings(monkeypatch):
+    spec = importlib.util.spec_from_file_location("benchmark_generation", REPO / "scripts" / "benchmark_generation.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)
+    spec.loader.exec_module(bench)
+    figures = dict(latency_ms=8.0, cache_bytes=4000, peak_rss_mb=100.0, decode_peak_rss_mb=50.0)
+    rows = [
+        {"variant": bench.BASELINE, "context": 64, **figures},
+        {"variant": "all-primal", "context": 64, "latency_ms": 2.0, "cache_bytes": 40, "peak_rss_mb": 80.0,
+         "decode_peak_rss_mb": 25.0},
+        {"variant": "all-primal", "context": 128, **figures},  # no stock row at this context
+    ]
+    bench.add_ratios(rows)
+    assert [rows[1][f"{k}_vs_stock"] for k in figures] == [0.25, 0.01, 0.8, 0.5]
+    assert all(rows[0][f"{k}_vs_stock"] == 1.0 for k in figures)
+    assert all(math.isnan(rows[2][f"{k}_vs_stock"]) for k in figures)
