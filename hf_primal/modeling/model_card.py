@@ -28,27 +28,20 @@ def _hub_id(name: str) -> Optional[str]:
     return name if len(parts) <= 2 and all(part and part[0].isalnum() for part in parts) else None
 
 
-def model_card(model: Any, tags: Optional[list[str]] = None) -> str:
-    """README.md for a shared primal checkpoint: what was converted, with what settings, and how to load it.
-
-    `tags` (and the model's own ``model_tags``, as transformers' ``add_model_tags`` sets them) join the card's tags.
-    """
-    spec = PrimalAttentionConfig.coerce(model.config.primal_attention)
-    layers = [name for name, m in model.named_modules() if getattr(m, "_is_primal_attention", False)]
-    report = getattr(model, "primal_conversion_report", None) or {}
-    base = report.get("base_model") or _hub_id(getattr(model.config, "name_or_path", "") or "")
-    auto = _card_auto_class(model)
+def _front_matter(model: Any, base: Optional[str], tags: Optional[list[str]]) -> list[str]:
+    """The YAML header: library, base model and tags (the two hf_primal tags first, no duplicates)."""
     lines = ["---", "library_name: transformers"]
     if base:
         lines.append(f"base_model: {base}")
     extra = [t for t in [*(getattr(model, "model_tags", None) or []), *(tags or [])]
              if t not in ("primal-attention", "hf_primal")]
-    lines += [
-        "tags:",
-        "- primal-attention",
-        "- hf_primal",
-        *[f"- {tag}" for tag in dict.fromkeys(extra)],
-        "---",
+    return lines + ["tags:", "- primal-attention", "- hf_primal", *[f"- {tag}" for tag in dict.fromkeys(extra)], "---"]
+
+
+def _summary(model: Any, base: Optional[str], spec: PrimalAttentionConfig) -> list[str]:
+    """Title, one-line description, base model, primal layers and their settings."""
+    layers = [name for name, m in model.named_modules() if getattr(m, "_is_primal_attention", False)]
+    return [
         "",
         f"# {type(model).__name__} (Primal-Attention)",
         "",
@@ -60,40 +53,56 @@ def model_card(model: Any, tags: Optional[list[str]] = None) -> str:
         f"- low_rank s = {spec.low_rank}, rank_multi m = {spec.rank_multi}, eta = {spec.eta}, "
         f"KSVD reduction = {spec.ksvd_reduction}",
     ]
-    if report:
-        lines += ["", "## Conversion", "", f"- method: {report.get('method', 'none')}",
-                  f"- calibration data: {report.get('calibration', 'none')}"]
-        distilled = report.get("distillation")
-        if distilled:
-            lines.append(
-                f"- held-out distillation loss: {distilled['loss_before']:.4f} -> {distilled['loss_after']:.4f}"
-            )
-            if distilled.get("cosine_after") is not None:
-                lines.append("- held-out mean-pooled embedding cosine vs the original: "
-                             f"{distilled['cosine_before']:.4f} -> {distilled['cosine_after']:.4f}")
-            lines.append(f"- kept step {distilled['best_step']} of {distilled['steps']} ({distilled['seconds']:.0f} s)")
-            overlap = distilled.get("neighbour_overlap")
-            if overlap:
-                lines.append(f"- held-out {overlap['k']}-nearest-neighbour overlap with the original's embeddings: "
-                             f"{overlap['overlap']:.3f} ({overlap['queries']} queries, {overlap['index']} indexed)")
-        per_layer = report.get("layers", [])
-        if per_layer:
-            lines += ["", "| layer | relative output error before | after |", "|---|---|---|"]
-            lines += [f"| `{r['layer']}` | {r['error_before']:.4f} | {r['error_after']:.4f} |" for r in per_layer]
-        selection = report.get("layer_selection")
-        if selection:
-            lines += ["", "### Layer selection", "",
-                      f"Layers ranked by measured conversion cost, cheapest first: {selection['ranking']} (each layer "
-                      f"alone made primal and distilled for {selection['steps']} steps; held-out distillation loss "
-                      f"below). Converted: {selection['chosen']}.", "",
-                      "| layer | held-out loss after the swap | after distillation |", "|---|---|---|"]
-            lines += [f"| `{c['layer']}` | {c['loss_before']:.4f} | {c['loss_after']:.4f} |"
-                      for c in selection["costs"]]
-        if report.get("verdict"):
-            lines += ["", f"Verdict: {report['verdict']}."]
-        for key, value in report.get("metrics", {}).items():
-            lines.append(f"- {key}: {value}")
-    lines += [
+
+
+def _distillation_lines(distilled: dict[str, Any]) -> list[str]:
+    """The conversion report's distillation figures: loss, cosine, kept step, neighbour overlap."""
+    lines = [f"- held-out distillation loss: {distilled['loss_before']:.4f} -> {distilled['loss_after']:.4f}"]
+    if distilled.get("cosine_after") is not None:
+        lines.append("- held-out mean-pooled embedding cosine vs the original: "
+                     f"{distilled['cosine_before']:.4f} -> {distilled['cosine_after']:.4f}")
+    lines.append(f"- kept step {distilled['best_step']} of {distilled['steps']} ({distilled['seconds']:.0f} s)")
+    overlap = distilled.get("neighbour_overlap")
+    if overlap:
+        lines.append(f"- held-out {overlap['k']}-nearest-neighbour overlap with the original's embeddings: "
+                     f"{overlap['overlap']:.3f} ({overlap['queries']} queries, {overlap['index']} indexed)")
+    return lines
+
+
+def _layer_selection_lines(selection: dict[str, Any]) -> list[str]:
+    """The "Layer selection" section: the measured ranking and each candidate layer's cost."""
+    lines = ["", "### Layer selection", "",
+             f"Layers ranked by measured conversion cost, cheapest first: {selection['ranking']} (each layer "
+             f"alone made primal and distilled for {selection['steps']} steps; held-out distillation loss "
+             f"below). Converted: {selection['chosen']}.", "",
+             "| layer | held-out loss after the swap | after distillation |", "|---|---|---|"]
+    return lines + [f"| `{c['layer']}` | {c['loss_before']:.4f} | {c['loss_after']:.4f} |" for c in selection["costs"]]
+
+
+def _conversion_section(report: dict[str, Any]) -> list[str]:
+    """The "Conversion" section written from a non-empty `primal_conversion_report`."""
+    lines = ["", "## Conversion", "", f"- method: {report.get('method', 'none')}",
+             f"- calibration data: {report.get('calibration', 'none')}"]
+    distilled = report.get("distillation")
+    if distilled:
+        lines += _distillation_lines(distilled)
+    per_layer = report.get("layers", [])
+    if per_layer:
+        lines += ["", "| layer | relative output error before | after |", "|---|---|---|"]
+        lines += [f"| `{r['layer']}` | {r['error_before']:.4f} | {r['error_after']:.4f} |" for r in per_layer]
+    selection = report.get("layer_selection")
+    if selection:
+        lines += _layer_selection_lines(selection)
+    if report.get("verdict"):
+        lines += ["", f"Verdict: {report['verdict']}."]
+    for key, value in report.get("metrics", {}).items():
+        lines.append(f"- {key}: {value}")
+    return lines
+
+
+def _loading_section(auto: str) -> list[str]:
+    """The "Loading" section: with remote code through `auto`, or with hf_primal installed."""
+    return [
         "",
         "## Loading",
         "",
@@ -114,4 +123,18 @@ def model_card(model: Any, tags: Optional[list[str]] = None) -> str:
         "would only warn about the model type and leave the primal layers without their weights.",
         "",
     ]
+
+
+def model_card(model: Any, tags: Optional[list[str]] = None) -> str:
+    """README.md for a shared primal checkpoint: what was converted, with what settings, and how to load it.
+
+    `tags` (and the model's own ``model_tags``, as transformers' ``add_model_tags`` sets them) join the card's tags.
+    """
+    spec = PrimalAttentionConfig.coerce(model.config.primal_attention)
+    report = getattr(model, "primal_conversion_report", None) or {}
+    base = report.get("base_model") or _hub_id(getattr(model.config, "name_or_path", "") or "")
+    lines = _front_matter(model, base, tags) + _summary(model, base, spec)
+    if report:
+        lines += _conversion_section(report)
+    lines += _loading_section(_card_auto_class(model))
     return "\n".join(lines)

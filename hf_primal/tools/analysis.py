@@ -139,6 +139,45 @@ def _softmax_curves(probs: torch.Tensor, valid: torch.Tensor, length: int, use_s
     return torch.cat(curves)
 
 
+def _hook_primal_cores(
+    model: nn.Module, captured: dict[int, dict[str, Any]]
+) -> tuple[dict[int, nn.Module], list[torch.utils.hooks.RemovableHandle]]:
+    """Pre-hooks that store each primal core's inputs in ``captured[layer]``; returns the cores and hook handles."""
+    cores: dict[int, nn.Module] = {}
+    handles = []
+    for module in model.modules():
+        if getattr(module, "_is_primal_attention", False):
+            index = int(module.layer_idx)
+            cores[index] = module.primal
+
+            def hook(_core, args, kwargs, index=index):
+                captured[index] = {"q": args[0], "k": args[1], "x": kwargs.get("x"), "valid": kwargs.get("valid"),
+                                   "state": kwargs.get("state")}
+
+            handles.append(module.primal.register_forward_pre_hook(hook, with_kwargs=True))
+    return cores, handles
+
+
+def _forward_with_attentions(
+    model: nn.Module, inputs: Mapping[str, torch.Tensor], handles: list[torch.utils.hooks.RemovableHandle]
+) -> Any:
+    """One eval forward with eager attention and ``output_attentions=True``; then removes `handles` and restores
+    the attention implementation and training mode, also when the forward fails."""
+    previous_impl = getattr(model.config, "_attn_implementation", None)
+    was_training = model.training
+    try:
+        if previous_impl != "eager":
+            model.set_attn_implementation("eager")
+        model.eval()
+        return model(**inputs, output_attentions=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+        if previous_impl is not None and previous_impl != "eager":
+            model.set_attn_implementation(previous_impl)
+        model.train(was_training)
+
+
 @torch.no_grad()
 def attention_spectrum(
     model: nn.Module,
@@ -161,32 +200,8 @@ def attention_spectrum(
     if primal_kernel not in ("sampled", "identity"):
         raise ValueError(f"primal_kernel={primal_kernel!r} is not allowed: use 'sampled' or 'identity'.")
     captured: dict[int, dict[str, Any]] = {}
-    cores: dict[int, nn.Module] = {}
-    handles = []
-    for module in model.modules():
-        if getattr(module, "_is_primal_attention", False):
-            index = int(module.layer_idx)
-            cores[index] = module.primal
-
-            def hook(_core, args, kwargs, index=index):
-                captured[index] = {"q": args[0], "k": args[1], "x": kwargs.get("x"), "valid": kwargs.get("valid"),
-                                   "state": kwargs.get("state")}
-
-            handles.append(module.primal.register_forward_pre_hook(hook, with_kwargs=True))
-    config = model.config
-    previous_impl = getattr(config, "_attn_implementation", None)
-    was_training = model.training
-    try:
-        if previous_impl != "eager":
-            model.set_attn_implementation("eager")
-        model.eval()
-        outputs = model(**inputs, output_attentions=True)
-    finally:
-        for handle in handles:
-            handle.remove()
-        if previous_impl is not None and previous_impl != "eager":
-            model.set_attn_implementation(previous_impl)
-        model.train(was_training)
+    cores, handles = _hook_primal_cores(model, captured)
+    outputs = _forward_with_attentions(model, inputs, handles)
     attentions = getattr(outputs, "attentions", None)
     if attentions is None:
         raise ValueError(
@@ -217,6 +232,56 @@ def _default_groups(num_layers: int) -> list[list[int]]:
     return [list(range(start, min(start + size, num_layers))) for start in range(0, num_layers, size)]
 
 
+def _limit(length: int, max_index: Optional[int]) -> int:
+    """How many curve entries to draw: all `length`, or fewer with `max_index`."""
+    return length if max_index is None else min(max_index, length)
+
+
+def _plot_group(
+    ax: Any,
+    group: list[int],
+    models: dict[str, Sequence[LayerSpectrum]],
+    colors: list[str],
+    max_index: Optional[int],
+    dashed_layer: Optional[int],
+) -> None:
+    """One panel: mean +- std per model over `group`'s layers, `dashed_layer` (if in a multi-layer group) dashed."""
+    for m, (label, layers) in enumerate(models.items()):
+        color = colors[m % len(colors)]
+        curves = torch.cat([layers[i].curves for i in group])
+        limit = _limit(curves.shape[1], max_index)
+        mean, std = curves.mean(0)[:limit], curves.std(0, correction=0)[:limit]
+        xs = range(limit)
+        group_label = f"L{group[0]}-{group[-1]}" if len(group) > 1 else f"L{group[0]}"
+        ax.plot(xs, mean, color=color, label=f"{label} {group_label}")
+        ax.fill_between(xs, (mean - std).clamp(min=0), (mean + std).clamp(max=1), color=color, alpha=0.2)
+        if dashed_layer is not None and dashed_layer in group and len(group) > 1:
+            lc = layers[dashed_layer].curves
+            ax.plot(xs, lc.mean(0)[:limit], "--", color=color,
+                    label=f"{label} L[{dashed_layer}] ({layers[dashed_layer].kind})")
+    first = next(iter(models.values()))
+    kinds = sorted({first[i].kind for i in group})
+    span = f"layers {group[0]}-{group[-1]}" if len(group) > 1 else f"layer {group[0]}"
+    ax.set_title(f"{span} ({', '.join(kinds)})", fontsize=9)
+    ax.set_xlabel("singular value index k")
+    ax.set_ylabel("normalised cumulative singular value")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def _plot_heatmap(fig: Any, ax: Any, spectra: Sequence[LayerSpectrum], label: str, max_index: Optional[int]) -> None:
+    """Heatmap of the per-layer mean curves of one model, with its colour bar."""
+    heat = torch.stack([s.mean for s in spectra])
+    limit = _limit(heat.shape[1], max_index)
+    image = ax.imshow(heat[:, :limit].numpy(), aspect="auto", vmin=0, vmax=1, cmap="viridis", origin="lower")
+    ax.set_xlabel("singular value index k")
+    ax.set_ylabel("layer")
+    ax.set_yticks(range(len(spectra)))
+    ax.set_title(f"mean c_k per layer ({label})", fontsize=9)
+    fig.colorbar(image, ax=ax)
+
+
 def plot_attention_spectrum(
     spectra: Union[Sequence[LayerSpectrum], Mapping[str, Sequence[LayerSpectrum]]],
     path: Union[str, Path],
@@ -242,42 +307,14 @@ def plot_attention_spectrum(
 
     models = dict(spectra) if isinstance(spectra, Mapping) else {"model": list(spectra)}
     first = next(iter(models.values()))
-    num_layers = len(first)
-    groups = [list(g) for g in groups] if groups is not None else _default_groups(num_layers)
+    groups = [list(g) for g in groups] if groups is not None else _default_groups(len(first))
     fig, axes = plt.subplots(1, len(groups) + 1, figsize=(4.2 * (len(groups) + 1), 3.8), squeeze=False)
     axes = axes[0]
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    last = num_layers - 1
+    last = len(first) - 1
     for panel, group in enumerate(groups):
-        ax = axes[panel]
-        for m, (label, layers) in enumerate(models.items()):
-            color = colors[m % len(colors)]
-            curves = torch.cat([layers[i].curves for i in group])
-            limit = curves.shape[1] if max_index is None else min(max_index, curves.shape[1])
-            mean, std = curves.mean(0)[:limit], curves.std(0, correction=0)[:limit]
-            xs = range(limit)
-            group_label = f"L{group[0]}-{group[-1]}" if len(group) > 1 else f"L{group[0]}"
-            ax.plot(xs, mean, color=color, label=f"{label} {group_label}")
-            ax.fill_between(xs, (mean - std).clamp(min=0), (mean + std).clamp(max=1), color=color, alpha=0.2)
-            if panel == len(groups) - 1 and last in group and len(group) > 1:
-                lc = layers[last].curves
-                ax.plot(xs, lc.mean(0)[:limit], "--", color=color, label=f"{label} L[{last}] ({layers[last].kind})")
-        kinds = sorted({first[i].kind for i in group})
-        span = f"layers {group[0]}-{group[-1]}" if len(group) > 1 else f"layer {group[0]}"
-        ax.set_title(f"{span} ({', '.join(kinds)})", fontsize=9)
-        ax.set_xlabel("singular value index k")
-        ax.set_ylabel("normalised cumulative singular value")
-        ax.set_ylim(0, 1.02)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    heat = torch.stack([s.mean for s in first])
-    limit = heat.shape[1] if max_index is None else min(max_index, heat.shape[1])
-    image = axes[-1].imshow(heat[:, :limit].numpy(), aspect="auto", vmin=0, vmax=1, cmap="viridis", origin="lower")
-    axes[-1].set_xlabel("singular value index k")
-    axes[-1].set_ylabel("layer")
-    axes[-1].set_yticks(range(num_layers))
-    axes[-1].set_title(f"mean c_k per layer ({next(iter(models))})", fontsize=9)
-    fig.colorbar(image, ax=axes[-1])
+        _plot_group(axes[panel], group, models, colors, max_index, last if panel == len(groups) - 1 else None)
+    _plot_heatmap(fig, axes[-1], first, next(iter(models)), max_index)
     if title:
         fig.suptitle(title)
     fig.tight_layout()

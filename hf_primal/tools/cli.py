@@ -11,7 +11,7 @@ import os
 import re
 import sys
 import traceback
-from typing import NoReturn, Optional, Sequence
+from typing import Callable, NoReturn, Optional, Sequence
 
 from ..modeling.config import PrimalAttentionConfig, parse_layers  # standard library only
 
@@ -37,16 +37,8 @@ def _layers(value: str):
         raise argparse.ArgumentTypeError(f"--{error}") from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of `hf-primal` (standard library only)."""
-    debug = _Parser(add_help=False)
-    # SUPPRESS: a subcommand's default must not overwrite `hf-primal --debug convert ...`.
-    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                       help="show the full traceback when a command fails")
-    parser = _Parser(prog="hf-primal", description="Primal-Attention for HuggingFace Transformers", parents=[debug])
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    demo = sub.add_parser("demo", parents=[debug],
+def _add_demo_command(add_parser: Callable[..., argparse.ArgumentParser], debug: argparse.ArgumentParser) -> None:
+    demo = add_parser("demo", parents=[debug],
                           help="the recommended recipe on the embedded all-MiniLM-L6-v2: convert with distillation, "
                                "then fine-tune (offline, about 5 minutes)",
                           description="Convert the embedded all-MiniLM-L6-v2 with distillation from the original, "
@@ -63,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--eta", type=float, default=_DEFAULTS.eta,
                       help=f"weight of the KSVD loss while fine-tuning (default {_DEFAULTS.eta})")
 
-    conv = sub.add_parser("convert", parents=[debug],
+
+def _add_convert_command(add_parser: Callable[..., argparse.ArgumentParser], debug: argparse.ArgumentParser) -> None:
+    conv = add_parser("convert", parents=[debug],
                           help="convert a stock checkpoint (BERT, RoBERTa, DistilBERT, ViT, DeiT, GPT-2) to "
                                "Primal-Attention",
                           description="Convert a stock checkpoint of a supported architecture "
@@ -105,9 +99,24 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--max-length", type=int, default=128, help="token limit for text calibration")
     conv.add_argument("--push-to-hub", metavar="REPO_ID", help="upload the output folder to this Hub repository")
 
-    layers = sub.add_parser("layers", parents=[debug], help="list the primal attention layers of a saved model",
+
+def _add_layers_command(add_parser: Callable[..., argparse.ArgumentParser], debug: argparse.ArgumentParser) -> None:
+    layers = add_parser("layers", parents=[debug], help="list the primal attention layers of a saved model",
                             description="List the primal attention layers of a saved model (exit status 1 if none).")
     layers.add_argument("path", help="model folder (or Hub id where the network allows)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `hf-primal` (standard library only)."""
+    debug = _Parser(add_help=False)
+    # SUPPRESS: a subcommand's default must not overwrite `hf-primal --debug convert ...`.
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show the full traceback when a command fails")
+    parser = _Parser(prog="hf-primal", description="Primal-Attention for HuggingFace Transformers", parents=[debug])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_demo_command(sub.add_parser, debug)
+    _add_convert_command(sub.add_parser, debug)
+    _add_layers_command(sub.add_parser, debug)
     return parser
 
 
