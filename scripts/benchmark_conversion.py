@@ -42,7 +42,7 @@ import hf_primal  # noqa: E402
 from hf_primal import PrimalAttentionConfig, PrimalTrainer, convert  # noqa: E402
 from hf_primal.tools.convert import text_batches  # noqa: E402
 from hf_primal.tools.demo import minilm_path  # noqa: E402
-from hf_primal.training.distill import masked_mean_pool  # noqa: E402
+from hf_primal.training.teacher_loss import masked_mean_pool  # noqa: E402
 
 VARIANTS = ("stock", "naive-last", "recipe-last", "naive-all", "recipe-all")
 CSV_NAME, PNG_NAME, CURVES_NAME = "conversion_benchmark.csv", "conversion_benchmark.png", "conversion_curves.json"

@@ -289,7 +289,7 @@ def minilm_job(opts: Options) -> list[dict[str, Any]]:
 
     from hf_primal import PrimalAttentionConfig, convert
     from hf_primal.tools.demo import minilm_path
-    from hf_primal.training.distill import masked_mean_pool
+    from hf_primal.training.teacher_loss import masked_mean_pool
 
     hf_logging.set_verbosity_error()
     path = minilm_path()

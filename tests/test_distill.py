@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from transformers import BertForSequenceClassification, BertModel
 
 from hf_primal import PrimalTrainer, convert, primal_layers
-from hf_primal.training.distill import distill, frozen_copy, hidden_state_loss, logits_kl_loss, masked_mean_pool
+from hf_primal.training.distill import distill, frozen_copy
+from hf_primal.training.teacher_loss import hidden_state_loss, logits_kl_loss, masked_mean_pool
 from hf_primal.training.trainer import PRIMAL_LR_MULTIPLIER
 from tests.conftest import bert_config
 from tests.test_loss_trainer import _args, _cls_dataset, _first_step_grads

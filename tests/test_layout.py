@@ -5,7 +5,7 @@
 - The method modules are plain torch: no transformers import.
 - The architecture modules (`hf_primal.models.<arch>`) import hf_primal only from `..modeling`, so that their
   flattened copy (``modeling_primal_<arch>.py``) finds everything beside it.
-- No module of the package is over 400 lines.
+- No module of the package is over 400 lines, no function over 60.
 """
 
 import ast
@@ -65,4 +65,13 @@ def test_architecture_modules_import_hf_primal_only_from_modeling(path):
 def test_no_module_is_over_400_lines():
     long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text(encoding="utf-8").splitlines())) > 400}
+    assert not long, long
+
+
+def test_no_function_is_over_60_lines():
+    long = {}
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                long[f"{path.relative_to(PACKAGE)}:{node.name}"] = node.end_lineno - node.lineno + 1
     assert not long, long

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import torch
@@ -23,6 +24,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..integration.hub import enable_remote_code
+from ..modeling.architecture import Architecture
 from ..modeling.config import PrimalAttentionConfig
 from ..modeling.layers import valid_tokens
 from ..models import find_architecture
@@ -49,27 +51,12 @@ METHODS = ("transfer", "distill")
 MEANINGFUL_IMPROVEMENT = 0.02
 
 
-def convert(
-    model: nn.Module,
-    config: Union[PrimalAttentionConfig, Mapping[str, Any], None] = None,
-    calibration_data: Any = None,
-    *,
-    method: str = "distill",
-    steps: Optional[int] = None,
-    learning_rate: Optional[float] = None,
-    primal_learning_rate: float = 3e-3,
-    pooled_weight: float = 10.0,
-    batch_size: int = 8,
-    max_batches: Optional[int] = None,
-    train_qk: bool = True,
-    target: str = "layer",
-    distill_target: str = "hidden",
-    temperature: float = 2.0,
-    layers: Union[str, list[int], None] = None,
-    num_primal_layers: Optional[int] = None,
-    sensitivity_steps: int = 50,
-    progress: bool = True,
-) -> nn.Module:
+def convert(model: nn.Module, config: Union[PrimalAttentionConfig, Mapping[str, Any], None] = None,
+            calibration_data: Any = None, *, method: str = "distill", steps: Optional[int] = None,
+            learning_rate: Optional[float] = None, primal_learning_rate: float = 3e-3, pooled_weight: float = 10.0,
+            batch_size: int = 8, max_batches: Optional[int] = None, train_qk: bool = True, target: str = "layer",
+            distill_target: str = "hidden", temperature: float = 2.0, layers: Union[str, list[int], None] = None,
+            num_primal_layers: Optional[int] = None, sensitivity_steps: int = 50, progress: bool = True) -> nn.Module:
     """Make the layers chosen by `config` primal, in place, and return the model ready to save or share.
 
     Args:
@@ -114,57 +101,24 @@ def convert(
     `save_pretrained` puts it in the model card. When the held-out error improves by less than 2%, the report's
     ``"verdict"`` says so (and a warning is issued) with what to try next.
     """
-    spec = PrimalAttentionConfig.coerce(config if config is not None else PrimalAttentionConfig())
-    architecture = find_architecture(model)
-    learning_rate = _check_arguments(model, method, target, steps, learning_rate)
-    if layers == "auto" and calibration_data is not None:  # measured and adapted on the same batches
-        calibration_data = collect_batches(calibration_data, batch_size, max_batches)
-    spec, sensitivity = choose_layers(
-        model, spec, calibration_data, layers, num_primal_layers, steps=sensitivity_steps, learning_rate=learning_rate
-        if method == "distill" else 5e-4, primal_learning_rate=primal_learning_rate, pooled_weight=pooled_weight,
-        progress=progress)
-    base = getattr(model, model.base_model_prefix, model)
-    layer_list = architecture.list_layers(base)
-    selected = spec.resolve_layers(len(layer_list))
-    causal = architecture.causal(model.config)
-    blocks = architecture.list_blocks(base)
-    fitted = {i: (blocks[i] if target == "layer" else layer_list[i][1]) for i in selected}
-    records: dict[int, dict] = {}
-    teacher, distill_batches = None, None
-    if calibration_data is not None and method == "distill":
-        distill_batches = collect_batches(calibration_data, batch_size, max_batches)
-        teacher = frozen_copy(model)
-    elif calibration_data is not None:
-        records = _record_teacher(model, [fitted[i] for i in selected], selected, calibration_data,
-                                  batch_size, max_batches, progress, causal, architecture.attention_class)
-
+    spec, architecture, learning_rate = _check_arguments(model, config, method, target, steps, learning_rate)
+    spec, sensitivity, calibration_data = _select_layers(model, spec, calibration_data, layers, num_primal_layers,
+                                                         sensitivity_steps, method, learning_rate, primal_learning_rate,
+                                                         pooled_weight, batch_size, max_batches, progress)
+    reference = _capture_reference(model, architecture, spec, calibration_data, method, target, train_qk, batch_size,
+                                   max_batches, progress)
     swap_to_primal(model, spec)
-
-    report: dict[str, Any] = {"calibration": "none", "method": "none", "layers": []}
-    if sensitivity is not None:
-        report["layer_selection"] = {**sensitivity.to_dict(), "chosen": selected}
-        if progress:
-            print(f"[hf_primal] layer sensitivity (cheapest first): {sensitivity.ranking}; converting {selected}")
-    if distill_batches is not None:
-        report.update(_adapt_by_distillation(
-            model, teacher, distill_batches, causal, progress, steps=steps, learning_rate=learning_rate,
-            primal_learning_rate=primal_learning_rate, target=distill_target, temperature=temperature,
-            pooled_weight=pooled_weight))
-    elif records:
-        prefix = f"{model.base_model_prefix}." if base is not model else ""
-        names = {i: prefix + layer_list[i][0] for i in selected}
-        qk_names = architecture.qk_names if train_qk else ()
-        report.update(_adapt_by_transfer(fitted, records, names, steps, learning_rate, qk_names, target, progress))
-    if report.get("verdict", "").startswith("no meaningful"):
-        warnings.warn(f"hf_primal.convert: {report['verdict']}", stacklevel=2)
-        if progress:
-            print(f"[hf_primal] {report['verdict']}")
-    model.primal_conversion_report = report
+    _adapt_and_report(model, reference, sensitivity, steps, learning_rate, target, distill_target,
+                      primal_learning_rate, temperature, pooled_weight, progress)
     return enable_remote_code(model)
 
 
-def _check_arguments(model, method, target, steps, learning_rate) -> float:
-    """Refuse what convert cannot do, naming the value; returns the learning rate to use."""
+def _check_arguments(
+    model: nn.Module, config: Any, method: str, target: str, steps: Optional[int], learning_rate: Optional[float]
+) -> tuple[PrimalAttentionConfig, Architecture, float]:
+    """Refuse what convert cannot do, naming the value; returns the config, the architecture and the learning rate."""
+    spec = PrimalAttentionConfig.coerce(config if config is not None else PrimalAttentionConfig())
+    architecture = find_architecture(model)
     if getattr(model.config, "primal_attention", None) is not None:
         raise ValueError(
             f"convert: {type(model).__name__} already has primal_attention={model.config.primal_attention}; "
@@ -178,7 +132,86 @@ def _check_arguments(model, method, target, steps, learning_rate) -> float:
         learning_rate = 5e-4 if method == "distill" else 3e-3
     if (steps is not None and steps < 0) or not learning_rate > 0:
         raise ValueError(f"convert: steps={steps} must be >= 0 and learning_rate={learning_rate} > 0.")
-    return learning_rate
+    return spec, architecture, learning_rate
+
+
+def _select_layers(
+    model: nn.Module, spec: PrimalAttentionConfig, calibration_data: Any, layers: Union[str, list[int], None],
+    num_primal_layers: Optional[int], sensitivity_steps: int, method: str, learning_rate: float,
+    primal_learning_rate: float, pooled_weight: float, batch_size: int, max_batches: Optional[int], progress: bool,
+) -> tuple[PrimalAttentionConfig, Any, Any]:
+    """`choose_layers` for convert; returns the config with its layers, the sensitivity (or None) and the data."""
+    if layers == "auto" and calibration_data is not None:  # measured and adapted on the same batches
+        calibration_data = collect_batches(calibration_data, batch_size, max_batches)
+    spec, sensitivity = choose_layers(
+        model, spec, calibration_data, layers, num_primal_layers, steps=sensitivity_steps, learning_rate=learning_rate
+        if method == "distill" else 5e-4, primal_learning_rate=primal_learning_rate, pooled_weight=pooled_weight,
+        progress=progress)
+    return spec, sensitivity, calibration_data
+
+
+@dataclass
+class _Reference:
+    """What adaptation compares the converted layers with, taken from the stock model before the swap."""
+
+    selected: list[int]
+    causal: bool
+    fitted: dict[int, nn.Module]  # what transfer fits: whole blocks (target="layer") or attention modules
+    names: dict[int, str]
+    qk_names: tuple
+    teacher: Optional[nn.Module] = None
+    distill_batches: Optional[list] = None
+    records: dict[int, dict] = field(default_factory=dict)
+
+
+def _capture_reference(
+    model: nn.Module, architecture: Architecture, spec: PrimalAttentionConfig, calibration_data: Any, method: str,
+    target: str, train_qk: bool, batch_size: int, max_batches: Optional[int], progress: bool,
+) -> _Reference:
+    """The selected layers, and with calibration data a frozen copy of the model (distill) or its recorded outputs."""
+    base = getattr(model, model.base_model_prefix, model)
+    layer_list = architecture.list_layers(base)
+    selected = spec.resolve_layers(len(layer_list))
+    causal = architecture.causal(model.config)
+    blocks = architecture.list_blocks(base)
+    fitted = {i: (blocks[i] if target == "layer" else layer_list[i][1]) for i in selected}
+    prefix = f"{model.base_model_prefix}." if base is not model else ""
+    reference = _Reference(selected, causal, fitted, names={i: prefix + layer_list[i][0] for i in selected},
+                           qk_names=architecture.qk_names if train_qk else ())
+    if calibration_data is not None and method == "distill":
+        reference.distill_batches = collect_batches(calibration_data, batch_size, max_batches)
+        reference.teacher = frozen_copy(model)
+    elif calibration_data is not None:
+        reference.records = _record_teacher(model, [fitted[i] for i in selected], selected, calibration_data,
+                                            batch_size, max_batches, progress, causal, architecture.attention_class)
+    return reference
+
+
+def _adapt_and_report(
+    model: nn.Module, reference: _Reference, sensitivity: Any, steps: Optional[int], learning_rate: float, target: str,
+    distill_target: str, primal_learning_rate: float, temperature: float, pooled_weight: float, progress: bool,
+) -> None:
+    """Adapt the swapped `model` to `reference` by convert's method; report on ``model.primal_conversion_report``."""
+    report: dict[str, Any] = {"calibration": "none", "method": "none", "layers": []}
+    selected = reference.selected
+    if sensitivity is not None:
+        report["layer_selection"] = {**sensitivity.to_dict(), "chosen": selected}
+        if progress:
+            print(f"[hf_primal] layer sensitivity (cheapest first): {sensitivity.ranking}; converting {selected}")
+    if reference.distill_batches is not None:
+        report.update(_adapt_by_distillation(
+            model, reference.teacher, reference.distill_batches, reference.causal, progress, steps=steps,
+            learning_rate=learning_rate, primal_learning_rate=primal_learning_rate, target=distill_target,
+            temperature=temperature, pooled_weight=pooled_weight))
+    elif reference.records:
+        report.update(_adapt_by_transfer(reference.fitted, reference.records, reference.names, steps, learning_rate,
+                                         reference.qk_names, target, progress))
+    if report.get("verdict", "").startswith("no meaningful"):
+        # stacklevel 3: point at convert's caller, as when convert itself warned
+        warnings.warn(f"hf_primal.convert: {report['verdict']}", stacklevel=3)
+        if progress:
+            print(f"[hf_primal] {report['verdict']}")
+    model.primal_conversion_report = report
 
 
 def _adapt_by_distillation(model, teacher, batches, causal, progress, *, steps, learning_rate, **kwargs) -> dict:
@@ -284,14 +317,10 @@ def _call(module, call) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-def _fit_layer(module, record, steps, learning_rate, qk_names, progress, name) -> tuple[float, float]:
-    """Fit one primal layer to its teacher's outputs; returns the relative error before and after.
-
-    Every fifth recorded batch, counting from the last, is held out (when there are at least two): the errors are
-    measured on it and the parameters kept are those with the lowest held-out error, so a small calibration set
-    cannot be over-fitted.
-    """
-    attention = next(m for m in module.modules() if getattr(m, "_is_primal_attention", False))
+def _fit_parameters(
+    module: nn.Module, attention: nn.Module, qk_names: tuple
+) -> tuple[list[nn.Parameter], dict[nn.Parameter, bool]]:
+    """The parameters `_fit_layer` trains, the only ones left requiring grad; and every parameter's previous flag."""
     if attention is module:
         params = list(module.primal.parameters())
         params += [p for name in qk_names for p in getattr(module, name).parameters()]
@@ -302,6 +331,29 @@ def _fit_layer(module, record, steps, learning_rate, qk_names, progress, name) -
         p.requires_grad_(False)
     for p in params:
         p.requires_grad_(True)
+    return params, states
+
+
+def _output_error(module: nn.Module, batches: list[tuple]) -> float:
+    """Relative output error ||y - y_teacher|| / ||y_teacher|| of `module` over recorded (call, mask, y) batches."""
+    num = den = 0.0
+    with torch.no_grad():
+        for call, mask, y in batches:
+            valid = valid_tokens(mask, y.shape[0], y.shape[1])
+            a, b = _relative_error(_call(module, call), y, valid)
+            num, den = num + float(a), den + float(b)
+    return (num / max(den, 1e-30)) ** 0.5
+
+
+def _fit_layer(module, record, steps, learning_rate, qk_names, progress, name) -> tuple[float, float]:
+    """Fit one primal layer to its teacher's outputs; returns the relative error before and after.
+
+    Every fifth recorded batch, counting from the last, is held out (when there are at least two): the errors are
+    measured on it and the parameters kept are those with the lowest held-out error, so a small calibration set
+    cannot be over-fitted.
+    """
+    attention = next(m for m in module.modules() if getattr(m, "_is_primal_attention", False))
+    params, states = _fit_parameters(module, attention, qk_names)
     was_training = module.training
     module.eval()  # no dropout while fitting
 
@@ -310,16 +362,7 @@ def _fit_layer(module, record, steps, learning_rate, qk_names, progress, name) -
     held = [b for i, b in enumerate(batches) if i in held_out] or batches
     train = [b for i, b in enumerate(batches) if i not in held_out] or batches
 
-    def error(subset) -> float:
-        num = den = 0.0
-        with torch.no_grad():
-            for call, mask, y in subset:
-                valid = valid_tokens(mask, y.shape[0], y.shape[1])
-                a, b = _relative_error(_call(module, call), y, valid)
-                num, den = num + float(a), den + float(b)
-        return (num / max(den, 1e-30)) ** 0.5
-
-    before = best = error(held)
+    before = best = _output_error(module, held)
     best_state = {id(p): p.detach().clone() for p in params}
     optimizer = torch.optim.Adam([p for p in params if p.dtype.is_floating_point], lr=learning_rate)
     bar = tqdm(range(steps), desc=f"attention transfer {name}", disable=not progress)
@@ -333,7 +376,7 @@ def _fit_layer(module, record, steps, learning_rate, qk_names, progress, name) -
         loss.backward()
         optimizer.step()
         if (step + 1) % check_every == 0 or step + 1 == steps:
-            current = error(held)
+            current = _output_error(module, held)
             if current < best:
                 best = current
                 best_state = {id(p): p.detach().clone() for p in params}

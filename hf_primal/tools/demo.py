@@ -80,7 +80,7 @@ def _augment(sentences: list[str], extra: int, seed: int) -> list[str]:
 
 @torch.no_grad()
 def _embeddings(encoder, tokenizer, texts: list[str], batch: int = 64) -> torch.Tensor:
-    from ..training.distill import masked_mean_pool
+    from ..training.teacher_loss import masked_mean_pool
 
     encoder.eval()
     chunks = []

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..training.distill import last_hidden, masked_mean_pool, model_inputs, needs_hidden_flag
+from ..training.teacher_loss import last_hidden, masked_mean_pool, model_inputs, needs_hidden_flag
 
 Labels = Union[Sequence[int], torch.Tensor]
 

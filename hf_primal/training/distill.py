@@ -2,8 +2,8 @@
 
 A primal layer cannot reproduce a softmax layer on its own (another token reaches token n only through two scalars
 per head; docs/method.md, "Capacity of one layer"), so the rest of the network has to adapt around it. This module
-holds the pieces that make that happen: the student-teacher loss terms (shared with `PrimalTrainer`'s
-``teacher=`` option) and `distill`, the loop behind ``convert(..., method="distill")``.
+holds `distill`, the loop behind ``convert(..., method="distill")``; the loss terms it minimises are in
+`teacher_loss` (shared with `PrimalTrainer`'s ``teacher=`` option).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -22,131 +22,17 @@ from tqdm.auto import tqdm
 
 from ..modeling.config import PrimalAttentionConfig
 from .calibration import HELDOUT_EVERY, heldout_indices
-from .loss import ksvd_loss, primal_model
-
-TARGETS = ("auto", "hidden", "logits")
-
-
-def _check_nonnegative(name: str, value: float, *, positive: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name}={value!r} is not allowed: it must be a finite number.")
-    if value < 0 or (positive and value == 0):
-        raise ValueError(f"{name}={value!r} is not allowed: it must be {'> 0' if positive else '>= 0'}.")
-    return float(value)
-
-
-# ---------------------------------------------------------------------------------------------- loss terms
-def masked_mean_pool(hidden: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """Mean over valid tokens: (B, N, C) -> (B, C) (sentence-transformers' mean pooling)."""
-    if mask is None:
-        return hidden.mean(dim=1)
-    weights = mask[..., None].to(hidden.dtype)
-    return (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1.0)
-
-
-def hidden_state_loss(
-    student: torch.Tensor, teacher: torch.Tensor, mask: Optional[torch.Tensor], pooled_weight: float = 1.0
-) -> torch.Tensor:
-    """Token-level relative squared error plus ``pooled_weight * (1 - cosine)`` of mean-pooled states, fp32.
-
-    The token term is ||h_s - h_t||^2 / ||h_t||^2 per valid token, averaged; it is scale-free, so it means the same
-    for any hidden size. The pooled term is what embedding models serve.
-    """
-    student, teacher = student.float(), teacher.float()
-    err = (student - teacher).square().sum(-1) / teacher.square().sum(-1).clamp(min=1e-12)
-    if mask is not None:
-        weights = mask.to(err.dtype)
-        token = (err * weights).sum() / weights.sum().clamp(min=1.0)
-    else:
-        token = err.mean()
-    if pooled_weight == 0:
-        return token
-    cosine = F.cosine_similarity(masked_mean_pool(student, mask), masked_mean_pool(teacher, mask), dim=-1)
-    return token + pooled_weight * (1.0 - cosine).mean()
-
-
-def logits_kl_loss(
-    student: torch.Tensor, teacher: torch.Tensor, temperature: float, mask: Optional[torch.Tensor] = None
-) -> torch.Tensor:
-    """KL(teacher || student) of temperature-softened distributions, times T^2 (Hinton et al.), fp32.
-
-    Logits of shape (B, K) are averaged over sequences; (B, N, K) (token-level heads, LMs) over valid tokens.
-    """
-    t = temperature
-    log_p_student = F.log_softmax(student.float() / t, dim=-1)
-    log_p_teacher = F.log_softmax(teacher.float() / t, dim=-1)
-    kl = (log_p_teacher.exp() * (log_p_teacher - log_p_student)).sum(-1)  # (B,) or (B, N)
-    if kl.dim() == 2 and mask is not None and mask.shape == kl.shape:
-        weights = mask.to(kl.dtype)
-        return (kl * weights).sum() / weights.sum().clamp(min=1.0) * t * t
-    return kl.mean() * t * t
-
-
-def last_hidden(outputs: Any) -> torch.Tensor:
-    hidden = getattr(outputs, "last_hidden_state", None)
-    if hidden is None:
-        states = getattr(outputs, "hidden_states", None)
-        if not states:
-            raise ValueError(
-                "distillation needs the final hidden states: call the model with output_hidden_states=True"
-            )
-        hidden = states[-1]
-    return hidden
-
-
-def resolve_target(model: nn.Module, target: str) -> str:
-    """``"auto"``: match logits when the model has a head that produces them, else the final hidden states."""
-    if target not in TARGETS:
-        raise ValueError(f"distill target={target!r} is not allowed: use one of {list(TARGETS)}.")
-    if target != "auto":
-        return target
-    inner = primal_model(model)
-    base = getattr(inner, "base_model_prefix", None)
-    has_head = base is not None and hasattr(inner, base) and getattr(inner, base) is not inner
-    return "logits" if has_head else "hidden"
-
-
-def check_compatible(student: nn.Module, teacher: nn.Module, target: str) -> None:
-    """Clear errors for a teacher whose outputs cannot be compared with the student's."""
-    s_cfg = getattr(primal_model(student), "config", None)
-    t_cfg = getattr(teacher, "config", None)
-    if s_cfg is None or t_cfg is None:
-        return
-    s_vocab, t_vocab = getattr(s_cfg, "vocab_size", None), getattr(t_cfg, "vocab_size", None)
-    if s_vocab is not None and t_vocab is not None and s_vocab != t_vocab:
-        raise ValueError(
-            f"teacher vocab_size={t_vocab} differs from the student's vocab_size={s_vocab}: the two models would read "
-            "the same input_ids as different tokens. Use a teacher with the student's tokenizer."
-        )
-    if target == "hidden":
-        s_hidden, t_hidden = getattr(s_cfg, "hidden_size", None), getattr(t_cfg, "hidden_size", None)
-        if s_hidden != t_hidden:
-            raise ValueError(
-                f"teacher hidden_size={t_hidden} differs from the student's hidden_size={s_hidden}: hidden states can "
-                "only be matched between models of the same width (use target='logits' for heads of equal size)."
-            )
-
-
-def student_teacher_loss(
-    student_out: Any,
-    teacher_out: Any,
-    mask: Optional[torch.Tensor],
-    target: str,
-    temperature: float = 2.0,
-    pooled_weight: float = 1.0,
-) -> torch.Tensor:
-    """The distillation term for one batch: hidden-state matching or logits KL (`target` already resolved)."""
-    if target == "hidden":
-        return hidden_state_loss(last_hidden(student_out), last_hidden(teacher_out), mask, pooled_weight)
-    s_logits, t_logits = getattr(student_out, "logits", None), getattr(teacher_out, "logits", None)
-    if s_logits is None or t_logits is None:
-        raise ValueError("target='logits' needs models whose outputs have logits; use target='hidden'.")
-    if s_logits.shape != t_logits.shape:
-        raise ValueError(
-            f"teacher logits {tuple(t_logits.shape)} and student logits {tuple(s_logits.shape)} differ in shape: the "
-            "teacher must have the same head (same labels / vocabulary) as the student."
-        )
-    return logits_kl_loss(s_logits, t_logits, temperature, mask)
+from .loss import clear_ksvd_terms, ksvd_loss, primal_model
+from .teacher_loss import (
+    check_compatible,
+    check_nonnegative,
+    last_hidden,
+    masked_mean_pool,
+    model_inputs,
+    needs_hidden_flag,
+    resolve_target,
+    student_teacher_loss,
+)
 
 
 # ---------------------------------------------------------------------------------------------- the loop
@@ -167,10 +53,6 @@ class DistillResult:
         return dict(vars(self))
 
 
-def model_inputs(batch: Mapping[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: v.to(device) for k, v in batch.items() if isinstance(v, torch.Tensor) and k != "labels"}
-
-
 def _forward_pair(student, teacher, inputs, target, causal):
     extra = {"use_cache": False} if causal else {}
     want_hidden = target == "hidden" and needs_hidden_flag(student)
@@ -178,11 +60,6 @@ def _forward_pair(student, teacher, inputs, target, causal):
     with torch.no_grad():
         t_out = teacher(**kwargs)
     return student(**kwargs), t_out
-
-
-def needs_hidden_flag(model: nn.Module) -> bool:
-    # Base models return last_hidden_state; models with a head need output_hidden_states=True to expose it.
-    return resolve_target(model, "auto") == "logits"
 
 
 def _pooled_cosine(student_out, teacher_out, mask) -> torch.Tensor:
@@ -200,11 +77,11 @@ def _checked_settings(student, steps, learning_rate, primal_learning_rate, tempe
     if ksvd_weight is None:  # the model's eta; a student without primal layers has no KSVD term
         spec = getattr(primal_model(student).config, "primal_attention", None)
         ksvd_weight = PrimalAttentionConfig.coerce(spec).eta if spec is not None else 0.0
-    return (_check_nonnegative("learning_rate", learning_rate, positive=True),
-            _check_nonnegative("primal_learning_rate", primal_learning_rate, positive=True),
-            _check_nonnegative("temperature", temperature, positive=True),
-            _check_nonnegative("pooled_weight", pooled_weight),
-            _check_nonnegative("ksvd_weight", ksvd_weight))
+    return (check_nonnegative("learning_rate", learning_rate, positive=True),
+            check_nonnegative("primal_learning_rate", primal_learning_rate, positive=True),
+            check_nonnegative("temperature", temperature, positive=True),
+            check_nonnegative("pooled_weight", pooled_weight),
+            check_nonnegative("ksvd_weight", ksvd_weight))
 
 
 def _optimizer(named, learning_rate, primal_learning_rate, weight_decay, warmup_ratio, steps):
@@ -251,6 +128,106 @@ def _heldout_figures(student, teacher, held, device, target, temperature, pooled
     return total / max(count, 1.0), (cos_sum / cos_n if cos_n else None)
 
 
+def _split_heldout(batches: list, heldout_every: int) -> tuple[list, list]:
+    """(held-out, training) batches; refuses fewer than two batches."""
+    if len(batches) < 2:
+        raise ValueError(
+            f"distill: got {len(batches)} batch(es); at least 2 are needed (one is held out to choose the kept step)."
+        )
+    held_idx = heldout_indices(len(batches), heldout_every)
+    held = [b for i, b in enumerate(batches) if i in held_idx]
+    train = [b for i, b in enumerate(batches) if i not in held_idx]
+    return held, train
+
+
+def _freeze(model: nn.Module) -> None:
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+
+
+def _trainable_parameters(student: nn.Module, train_all: bool) -> list[tuple[str, nn.Parameter]]:
+    """The (name, parameter) pairs `distill` trains, set to require grad; refuses an empty selection."""
+    named = [
+        (n, p) for n, p in student.named_parameters() if p.dtype.is_floating_point and (train_all or p.requires_grad)
+    ]
+    if not named:
+        raise ValueError("distill: the student has no trainable parameter (train_all=False and nothing requires grad).")
+    for _, p in named:
+        p.requires_grad_(True)
+    return named
+
+
+def _step_loss(
+    student: nn.Module, teacher: nn.Module, inputs: dict[str, torch.Tensor], target: str, causal: bool,
+    temperature: float, pooled_weight: float, eta: float,
+) -> torch.Tensor:
+    """The training loss of one batch: the distillation term plus ``eta * ksvd_loss(student)``."""
+    s_out, t_out = _forward_pair(student, teacher, inputs, target, causal)
+    loss = student_teacher_loss(s_out, t_out, inputs.get("attention_mask"), target, temperature, pooled_weight)
+    if eta > 0:
+        loss = loss + eta * ksvd_loss(student)
+    return loss
+
+
+def _optimizer_step(
+    loss: torch.Tensor, named: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+) -> None:
+    """Backpropagate `loss`, clip the gradient norm of `named` to 1, and step the optimizer and the schedule."""
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_([p for _, p in named], 1.0)
+    optimizer.step()
+    scheduler.step()
+
+
+def _train_keeping_best(
+    student: nn.Module,
+    named: list[tuple[str, nn.Parameter]],
+    train: list,
+    loss_of: Callable[[Mapping[str, Any]], torch.Tensor],
+    evaluate: Callable[[], tuple[float, Optional[float]]],
+    optimizers: tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler],
+    before: tuple[float, Optional[float]],
+    *,
+    steps: int,
+    eval_every: int,
+    seed: int,
+    progress: bool,
+) -> tuple[list[dict], tuple[float, int, Optional[float]]]:
+    """Train for `steps` steps on shuffled passes over `train`, then load the parameters of the best held-out step.
+
+    Returns the held-out curve and (best held-out loss, its step, its held-out cosine).
+    """
+    optimizer, scheduler = optimizers
+    best = (before[0], 0, before[1])
+    best_state = {n: p.detach().clone() for n, p in named}
+    curve = [{"step": 0, "heldout_loss": before[0], "heldout_cosine": before[1]}]
+    rng = random.Random(seed)
+    order: list[int] = []
+    student.train()
+    bar = tqdm(range(steps), desc="distillation", disable=not progress)
+    for step in bar:
+        if not order:
+            order = list(range(len(train)))
+            rng.shuffle(order)
+        loss = loss_of(train[order.pop()])
+        _optimizer_step(loss, named, optimizer, scheduler)
+        if (step + 1) % eval_every == 0 or step + 1 == steps:
+            held_loss, held_cos = evaluate()
+            curve.append({"step": step + 1, "heldout_loss": held_loss, "heldout_cosine": held_cos})
+            if held_loss < best[0]:
+                best = (held_loss, step + 1, held_cos)
+                best_state = {n: p.detach().clone() for n, p in named}
+            bar.set_postfix({"train": f"{loss.item():.4f}", "heldout": f"{held_loss:.4f}",
+                             **({"heldout_cos": f"{held_cos:.4f}"} if held_cos is not None else {})})
+    with torch.no_grad():
+        for n, p in named:
+            p.copy_(best_state[n])
+    return curve, best
+
+
 def distill(
     student: nn.Module,
     teacher: nn.Module,
@@ -288,79 +265,27 @@ def distill(
         student, steps, learning_rate, primal_learning_rate, temperature, pooled_weight, ksvd_weight)
     target = resolve_target(student, target)
     check_compatible(student, teacher, target)
-    batches = list(batches)
-    if len(batches) < 2:
-        raise ValueError(
-            f"distill: got {len(batches)} batch(es); at least 2 are needed (one is held out to choose the kept step)."
-        )
-    held_idx = heldout_indices(len(batches), heldout_every)
-    held = [b for i, b in enumerate(batches) if i in held_idx]
-    train = [b for i, b in enumerate(batches) if i not in held_idx]
+    held, train = _split_heldout(list(batches), heldout_every)
     device = next(student.parameters()).device
-    teacher.eval()
-    for p in teacher.parameters():
-        p.requires_grad_(False)
-
-    named = [
-        (n, p) for n, p in student.named_parameters() if p.dtype.is_floating_point and (train_all or p.requires_grad)
-    ]
-    if not named:
-        raise ValueError("distill: the student has no trainable parameter (train_all=False and nothing requires grad).")
-    for _, p in named:
-        p.requires_grad_(True)
-    optimizer, scheduler = _optimizer(named, learning_rate, primal_learning_rate, weight_decay, warmup_ratio, steps)
+    _freeze(teacher)
+    named = _trainable_parameters(student, train_all)
+    optimizers = _optimizer(named, learning_rate, primal_learning_rate, weight_decay, warmup_ratio, steps)
 
     def evaluate() -> tuple[float, Optional[float]]:
         return _heldout_figures(student, teacher, held, device, target, temperature, pooled_weight, causal)
 
+    def loss_of(batch: Mapping[str, Any]) -> torch.Tensor:
+        inputs = model_inputs(batch, device)
+        return _step_loss(student, teacher, inputs, target, causal, temperature, pooled_weight, eta)
+
     eval_every = eval_every or max(1, min(100, steps // 12))
     loss_before, cos_before = evaluate()
-    best = (loss_before, 0, cos_before)
-    best_state = {n: p.detach().clone() for n, p in named}
-    curve = [{"step": 0, "heldout_loss": loss_before, "heldout_cosine": cos_before}]
-    rng = random.Random(seed)
-    order: list[int] = []
-    student.train()
-    bar = tqdm(range(steps), desc="distillation", disable=not progress)
-    for step in bar:
-        if not order:
-            order = list(range(len(train)))
-            rng.shuffle(order)
-        inputs = model_inputs(train[order.pop()], device)
-        s_out, t_out = _forward_pair(student, teacher, inputs, target, causal)
-        loss = student_teacher_loss(s_out, t_out, inputs.get("attention_mask"), target, temperature, pooled_weight)
-        if eta > 0:
-            loss = loss + eta * ksvd_loss(student)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for _, p in named], 1.0)
-        optimizer.step()
-        scheduler.step()
-        if (step + 1) % eval_every == 0 or step + 1 == steps:
-            held_loss, held_cos = evaluate()
-            curve.append({"step": step + 1, "heldout_loss": held_loss, "heldout_cosine": held_cos})
-            if held_loss < best[0]:
-                best = (held_loss, step + 1, held_cos)
-                best_state = {n: p.detach().clone() for n, p in named}
-            bar.set_postfix({"train": f"{loss.item():.4f}", "heldout": f"{held_loss:.4f}",
-                             **({"heldout_cos": f"{held_cos:.4f}"} if held_cos is not None else {})})
-    with torch.no_grad():
-        for n, p in named:
-            p.copy_(best_state[n])
+    curve, best = _train_keeping_best(student, named, train, loss_of, evaluate, optimizers, (loss_before, cos_before),
+                                      steps=steps, eval_every=eval_every, seed=seed, progress=progress)
     student.eval()
-    for module in student.modules():
-        if getattr(module, "_is_primal_attention", False):
-            module.ksvd_terms = None
-    return DistillResult(
-        loss_before=loss_before,
-        loss_after=best[0],
-        cosine_before=cos_before,
-        cosine_after=best[2],
-        best_step=best[1],
-        steps=steps,
-        curve=curve,
-        seconds=round(time.time() - started, 1),
-    )
+    clear_ksvd_terms(student)
+    return DistillResult(loss_before=loss_before, loss_after=best[0], cosine_before=cos_before, cosine_after=best[2],
+                         best_step=best[1], steps=steps, curve=curve, seconds=round(time.time() - started, 1))
 
 
 def frozen_copy(model: nn.Module) -> nn.Module:

@@ -14,8 +14,8 @@ from ..integration.compat import check_trainer_instance
 from ..modeling.config import PrimalAttentionConfig
 from ..models import find_architecture
 from .calibration import input_columns
-from .distill import check_compatible, resolve_target, student_teacher_loss
 from .loss import REDUCTIONS, clear_ksvd_terms, collect_ksvd_terms, ksvd_from_terms, primal_model
+from .teacher_loss import check_compatible, resolve_target, student_teacher_loss
 
 # Chosen by measurement: fine-tuning all-MiniLM-L6-v2 with its last layer primal on BBC News sentences (1 epoch,
 # lr 1e-4) gave 81.49% accuracy with the primal parameters at 1x the learning rate and 81.40% at 10x, so the default
@@ -70,6 +70,58 @@ def _declare_causal_lm_loss(model: Optional[nn.Module]) -> None:
         inner.loss_type = "ForCausalLM"
 
 
+def _primal_spec(inner: nn.Module) -> dict:
+    """The model's ``config.primal_attention``; refuses a model without primal attention layers."""
+    spec = getattr(getattr(inner, "config", None), "primal_attention", None)
+    if spec is None:
+        raise ValueError(
+            f"PrimalTrainer needs a model with primal attention layers; {type(inner).__name__} has no "
+            "config.primal_attention. Build or load it with primal_attention=... first."
+        )
+    return spec
+
+
+def _ksvd_settings(spec: dict, ksvd_weight: Optional[float], ksvd_reduction: Optional[str]) -> tuple[float, str]:
+    """(eta, reduction) of the KSVD term: the arguments, else the model's defaults; each refused by name."""
+    eta = PrimalAttentionConfig.coerce(spec).eta if ksvd_weight is None else ksvd_weight
+    if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not (0 <= eta < float("inf")):
+        raise ValueError(f"PrimalTrainer: ksvd_weight={eta!r} is not allowed: it must be a finite number >= 0.")
+    reduction = ksvd_reduction or spec.get("ksvd_reduction", "sequence")
+    if reduction not in REDUCTIONS:
+        raise ValueError(
+            f"PrimalTrainer: ksvd_reduction={reduction!r} is not allowed: use one of {list(REDUCTIONS)}."
+        )
+    return float(eta), reduction
+
+
+def _refuse_reentrant_checkpointing(args: Any) -> None:
+    """Refuse reentrant activation checkpointing: its no_grad forward would cut the KSVD term's gradient."""
+    checkpointing = getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", False)
+    gc_kwargs = (
+        getattr(args, "activation_checkpointing_kwargs", None)
+        or getattr(args, "gradient_checkpointing_kwargs", None)
+        or {}
+    )
+    if checkpointing and gc_kwargs.get("use_reentrant", False):
+        raise ValueError(
+            "PrimalTrainer: activation (gradient) checkpointing with {'use_reentrant': True} is not supported: "
+            "reentrant checkpointing runs the forward under no_grad, so the KSVD term would silently get no "
+            "gradient. Use the default non-reentrant checkpointing."
+        )
+
+
+def _checked_primal_learning_rate(primal_learning_rate: Optional[float], learning_rate: float) -> float:
+    """`primal_learning_rate` if given (a number > 0), else ``PRIMAL_LR_MULTIPLIER * learning_rate``."""
+    if primal_learning_rate is not None and not (
+        isinstance(primal_learning_rate, (int, float)) and not isinstance(primal_learning_rate, bool)
+        and 0 < primal_learning_rate < float("inf")
+    ):
+        raise ValueError(
+            f"PrimalTrainer: primal_learning_rate={primal_learning_rate!r} is not allowed: it must be a number > 0."
+        )
+    return float(primal_learning_rate) if primal_learning_rate is not None else PRIMAL_LR_MULTIPLIER * learning_rate
+
+
 class PrimalTrainer(Trainer):
     """A `Trainer` that adds ``eta * ksvd_loss(model)`` to the task loss of models with primal layers.
 
@@ -112,36 +164,9 @@ class PrimalTrainer(Trainer):
         _declare_causal_lm_loss(kwargs["model"] if "model" in kwargs else (args[0] if args else None))
         super().__init__(*args, **kwargs)
         check_trainer_instance(self)
-        inner = primal_model(self.model)
-        spec = getattr(getattr(inner, "config", None), "primal_attention", None)
-        if spec is None:
-            raise ValueError(
-                f"PrimalTrainer needs a model with primal attention layers; {type(inner).__name__} has no "
-                "config.primal_attention. Build or load it with primal_attention=... first."
-            )
-        eta = PrimalAttentionConfig.coerce(spec).eta if ksvd_weight is None else ksvd_weight
-        if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not (0 <= eta < float("inf")):
-            raise ValueError(f"PrimalTrainer: ksvd_weight={eta!r} is not allowed: it must be a finite number >= 0.")
-        self.ksvd_weight = float(eta)
-        self.ksvd_reduction = ksvd_reduction or spec.get("ksvd_reduction", "sequence")
-        if self.ksvd_reduction not in REDUCTIONS:
-            raise ValueError(
-                f"PrimalTrainer: ksvd_reduction={self.ksvd_reduction!r} is not allowed: use one of {list(REDUCTIONS)}."
-            )
-        checkpointing = getattr(self.args, "activation_checkpointing", None) or getattr(
-            self.args, "gradient_checkpointing", False
-        )
-        gc_kwargs = (
-            getattr(self.args, "activation_checkpointing_kwargs", None)
-            or getattr(self.args, "gradient_checkpointing_kwargs", None)
-            or {}
-        )
-        if checkpointing and gc_kwargs.get("use_reentrant", False):
-            raise ValueError(
-                "PrimalTrainer: activation (gradient) checkpointing with {'use_reentrant': True} is not supported: "
-                "reentrant checkpointing runs the forward under no_grad, so the KSVD term would silently get no "
-                "gradient. Use the default non-reentrant checkpointing."
-            )
+        spec = _primal_spec(primal_model(self.model))
+        self.ksvd_weight, self.ksvd_reduction = _ksvd_settings(spec, ksvd_weight, ksvd_reduction)
+        _refuse_reentrant_checkpointing(self.args)
         self._num_items_checked = False
         if self.args.ddp_find_unused_parameters is None:
             # Every parameter gets a gradient each step (the KSVD term reaches Lambda even when eta == 0), so DDP
@@ -153,17 +178,7 @@ class PrimalTrainer(Trainer):
         self.distill_dataset = distill_dataset
         self._distill_loader = None
         self._distill_batches = iter(())
-        if primal_learning_rate is not None and not (
-            isinstance(primal_learning_rate, (int, float)) and not isinstance(primal_learning_rate, bool)
-            and 0 < primal_learning_rate < float("inf")
-        ):
-            raise ValueError(
-                f"PrimalTrainer: primal_learning_rate={primal_learning_rate!r} is not allowed: it must be a number > 0."
-            )
-        self.primal_learning_rate = (
-            float(primal_learning_rate) if primal_learning_rate is not None
-            else PRIMAL_LR_MULTIPLIER * self.args.learning_rate
-        )
+        self.primal_learning_rate = _checked_primal_learning_rate(primal_learning_rate, self.args.learning_rate)
         self._ksvd_sum = torch.zeros((), dtype=torch.float64)
         self._distill_sum = torch.zeros((), dtype=torch.float64)
         self._task_sum = torch.zeros((), dtype=torch.float64)
