@@ -4,8 +4,8 @@ A causal primal layer needs only the running sums of its q and k and the number 
 (docs/method.md, "Causal layer"), so its slot in a `DynamicCache` holds a `CausalState` of shape (B, H, d) instead of
 keys and values that grow with the context. Canonical layers of the same model keep their KV layers.
 
-The layers live in `cache_layer` (`PrimalCacheLayer`, the default dynamic cache) and `static_cache`
-(`PrimalStaticCacheLayer`); this module puts them into transformers caches (`primal_cache_layer`), measures caches
+The layers live in `cache_layers` (`PrimalCacheLayer`, the default dynamic cache, and
+`PrimalStaticCacheLayer`); this module puts them into transformers caches (`primal_cache_layer`), measures caches
 (`cache_nbytes`) and is where the rest of hf_primal and its users import them from.
 """
 

@@ -244,13 +244,13 @@ class PrimalProjectedAttention:
     """The forward of a primal attention module whose stock module projects q and k with two linears.
 
     Every architecture but GPT-2 (fused ``c_attn``) uses it as the first base of its ``Primal*`` class: the q/k,
-    head-dimension and output-projection names come from the class's `conversion.Architecture` record
+    head-dimension and output-projection names come from the class's `architecture.Architecture` record
     (``_primal_architecture``), so the architecture module holds no forward code of its own. Returns what the stock
     module returns: (output, attention matrix or None).
     """
 
     _is_primal_attention = True
-    _primal_architecture = None  # set by conversion.Architecture
+    _primal_architecture = None  # set by architecture.Architecture
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 cache: Optional[Cache] = None, **kwargs) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -4,7 +4,7 @@ They carry their own model_type (``"primal_bert"``, ...). A saved folder's confi
 so ``AutoModel*.from_pretrained(folder, trust_remote_code=True)`` rebuilds the primal layers where hf_primal is not
 installed, and plain Auto loading without the plugin or trust_remote_code fails loudly (unknown model type) instead
 of producing a stock model with missing weights. Each architecture module (hf_primal/models/) makes its classes,
-its primal attention class and its `conversion.Architecture` record with one `define_architecture` call.
+its primal attention class and its `architecture.Architecture` record with one `define_architecture` call.
 
 Imports only torch, transformers and flat hf_primal modules: copied next to shared checkpoints as remote code.
 """
