@@ -56,8 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--labels", type=int, default=400, help="label budget of each task")
     p.add_argument("--seeds", default="0,1,2", help="fine-tuning seeds (comma-separated)")
     p.add_argument("--ks", default="1,2,3,4,6", help="numbers of primal layers for the trade-off table")
-    p.add_argument("--all-seed-ks", default="1,3",
-                   help="Ks at which the measured selection runs every seed (other rows: the first seed)")
+    p.add_argument("--all-seed-ks", default="3,2,4,1,6",
+                   help="Ks at which both selections run every seed, in the order their extra seeds are run "
+                        "(other Ks: the first seed)")
     p.add_argument("--embed-ks", default="1,3,6", help="Ks of the frozen-embedding rows")
     p.add_argument("--epochs", type=float, default=3.0, help="fine-tuning epochs of stock and plain")
     p.add_argument("--learning-rate", type=float, default=1e-4)
@@ -85,7 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.knn_index, args.workers = 40, 1
     args.seeds = [int(s) for s in args.seeds.split(",")]
     args.ks = [int(k) for k in args.ks.split(",")]
-    args.all_seed_ks = {int(k) for k in args.all_seed_ks.split(",")}
+    args.all_seed_ks = [int(k) for k in args.all_seed_ks.split(",")]
     args.embed_ks = {int(k) for k in args.embed_ks.split(",")}
     return args
 
@@ -298,16 +299,18 @@ def accuracy_jobs(args) -> tuple[list, list]:
     first += [(kind, (task, seed)) for task in ("sentences", "headlines") for seed in args.seeds
               for kind in ("teacher", "plain")]
     second, seen = [], set()
-    # The Ks the targets name first, so that an interrupted run (resumed with the same command) has them.
-    for k in sorted(args.ks, key=lambda k: (k not in args.all_seed_ks, k)):
-        for selection in SELECTIONS:
-            if k == 6 and selection == "auto":
-                continue  # every layer: the same model either way
-            # The selection at the Ks the targets name gets every seed; the last-K baseline and other Ks the first.
-            seeds = args.seeds if k in args.all_seed_ks and selection == "auto" else args.seeds[:1]
-            second += [("recipe", (task, seed, selection, k)) for task in ("sentences", "headlines") for seed in seeds]
-            if k in args.embed_ks:
-                second.append(("embeddings", (selection, k)))
+    pairs = [(k, selection) for k in args.ks for selection in SELECTIONS
+             if not (k == 6 and selection == "auto")]  # every layer: the same model either way
+    # The first seed of every row first, so that an interrupted run (resumed with the same command) already shows
+    # every K; then the other seeds, K by K in the order --all-seed-ks gives, both selections side by side so that
+    # each K compares them over the same seeds.
+    for k, selection in pairs:
+        second += [("recipe", (task, args.seeds[0], selection, k)) for task in ("sentences", "headlines")]
+        if k in args.embed_ks:
+            second.append(("embeddings", (selection, k)))
+    for k in args.all_seed_ks:
+        second += [("recipe", (task, seed, selection, kk)) for kk, selection in pairs if kk == k
+                   for seed in args.seeds[1:] for task in ("sentences", "headlines")]
     second.append(("embeddings", ("", 0)))
     return first, [j for j in second if not (j in seen or seen.add(j))]
 
