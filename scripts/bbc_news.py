@@ -155,3 +155,27 @@ def load_tasks(num_labels: int = 400, seed: int = 0, validation_size: int = 800,
         for kind, splits in rows.items()
     }
     return tasks, unlabeled
+
+
+# ---------------------------------------------------------------------------------------------- whole articles
+def load_articles(seed: int = 0) -> dict[str, list[tuple[bytes, int]]]:
+    """Whole articles as raw bytes (headline line included) with their topic: 60% train, 15% validation, 25% test.
+
+    The same per-topic, seeded article split as `load_tasks`. The corpus holds some articles twice: an article whose
+    bytes occur in an earlier split is dropped from the later ones, so no test document was seen in training.
+    """
+    root = corpus_dir()
+    rng = random.Random(seed)
+    out: dict[str, list[tuple[bytes, int]]] = {"train": [], "validation": [], "test": []}
+    for label, topic in enumerate(TOPICS):
+        files = sorted((root / topic).glob("*.txt"))
+        rng.shuffle(files)
+        for i, path in enumerate(files):
+            split = "test" if i >= int(0.75 * len(files)) else "validation" if i >= int(0.6 * len(files)) else "train"
+            out[split].append((path.read_bytes(), label))
+    seen: set[bytes] = set()
+    for split in ("train", "validation", "test"):
+        out[split] = [row for row in out[split] if row[0] not in seen]
+        seen |= {text for text, _ in out[split]}
+        rng.shuffle(out[split])
+    return out
