@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 from typing import Iterator
 
-import torch
+# The scripts fork their workers: asking "is CUDA available?" through NVML leaves the parent without a CUDA context,
+# so the forked children can still start one (a context made before a fork is unusable in the child).
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+
+import torch  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

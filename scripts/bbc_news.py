@@ -161,8 +161,8 @@ def load_tasks(num_labels: int = 400, seed: int = 0, validation_size: int = 800,
 def load_articles(seed: int = 0) -> dict[str, list[tuple[bytes, int]]]:
     """Whole articles as raw bytes (headline line included) with their topic: 60% train, 15% validation, 25% test.
 
-    The same per-topic, seeded article split as `load_tasks`. The corpus holds some articles twice: an article whose
-    bytes occur in an earlier split is dropped from the later ones, so no test document was seen in training.
+    The same per-topic, seeded article split as `load_tasks`. The corpus holds some articles twice: only the first
+    copy is kept (a later one in the same split, or in a later split), so no test document was seen in training.
     """
     root = corpus_dir()
     rng = random.Random(seed)
@@ -175,7 +175,6 @@ def load_articles(seed: int = 0) -> dict[str, list[tuple[bytes, int]]]:
             out[split].append((path.read_bytes(), label))
     seen: set[bytes] = set()
     for split in ("train", "validation", "test"):
-        out[split] = [row for row in out[split] if row[0] not in seen]
-        seen |= {text for text, _ in out[split]}
+        out[split] = [row for row in out[split] if not (row[0] in seen or seen.add(row[0]))]
         rng.shuffle(out[split])
     return out

@@ -37,6 +37,7 @@ exponents, sub-layer ratios, breakdown shares, the targets), ``benchmark.png``; 
 
     python scripts/benchmark.py                                  # full run, ~15 min on 2 CPU cores
     python scripts/benchmark.py --quick --out-dir /tmp/bench     # tiny shapes, seconds (used by the tests)
+    python scripts/benchmark.py --device cuda --dtype bf16       # on a GPU: autocast steps, CUDA allocator peaks
 """
 
 from __future__ import annotations
@@ -60,12 +61,18 @@ from typing import Any, Callable, Optional
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# Workers are forked. By default torch.cuda.is_available() (`_device.resolve` calls it; libraries may too) runs
+# cuInit, after which CUDA fails in every forked child; the NVML-based check leaves the parent uninitialised.
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from transformers import BertConfig, BertModel  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _device  # noqa: E402
+
 import hf_primal  # noqa: E402
 from hf_primal.modeling.layers import run_primal  # noqa: E402
 
@@ -97,6 +104,8 @@ class Settings:
     fit_from: int
     sublayer_n: int
     sections: dict[str, Shape] = field(default_factory=dict)
+    device: str = "cpu"
+    dtype: str = "fp32"  # autocast precision of the timed steps (`_device.DTYPES`)
 
 
 def full_settings(args: argparse.Namespace) -> Settings:
@@ -112,6 +121,8 @@ def full_settings(args: argparse.Namespace) -> Settings:
             "lra": Shape("lra", 64, 2, 128, 2, 2, lengths),
             "bert-base": Shape("bert-base", 768, 12, 3072, args.bert_layers, 1, lengths),
         },
+        device=args.device,
+        dtype=args.dtype,
     )
 
 
@@ -127,6 +138,8 @@ def quick_settings(args: argparse.Namespace) -> Settings:
             "lra": Shape("lra", 16, 2, 32, 2, 2, (64, 128), low_rank=4, rank_multi=4, vocab=64),
             "bert-base": Shape("bert-base", 32, 4, 64, 2, 1, (64, 128), low_rank=4, rank_multi=4, vocab=64),
         },
+        device=args.device,
+        dtype=args.dtype,
     )
 
 
@@ -162,32 +175,38 @@ class Classifier(torch.nn.Module):
         return self.head(self.encoder(input_ids=ids).last_hidden_state.mean(dim=1))
 
 
-def make_step(model: Classifier, ids: torch.Tensor, labels: torch.Tensor, mode: str) -> Callable[[], None]:
+def make_step(model: Classifier, ids: torch.Tensor, labels: torch.Tensor, mode: str, device: str = "cpu",
+              dtype: str = "fp32") -> Callable[[], None]:
+    """One training or inference step; it synchronises at its end, so that a wall clock read after it is right."""
     if mode == "infer":
         model.eval()
 
         def infer() -> None:
-            with torch.inference_mode():
+            with torch.inference_mode(), _device.autocast(device, dtype):
                 model(ids)
+            _device.synchronize(device)
 
         return infer
     model.train()
 
     def train() -> None:
         model.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(ids), labels)
-        if model.primal:
-            loss = loss + KSVD_ETA * hf_primal.ksvd_loss(model.encoder)
+        with _device.autocast(device, dtype):
+            loss = F.cross_entropy(model(ids), labels)
+            if model.primal:
+                loss = loss + KSVD_ETA * hf_primal.ksvd_loss(model.encoder)
         loss.backward()
+        _device.synchronize(device)
 
     return train
 
 
-def build(shape: Shape, variant: str, n: int, seed: int = 0) -> tuple[Classifier, torch.Tensor, torch.Tensor]:
-    torch.manual_seed(seed)
-    model = Classifier(bert_config(shape, variant, max(shape.lengths)))
-    ids = torch.randint(1, shape.vocab, (shape.batch, n))
-    labels = torch.randint(0, NUM_CLASSES, (shape.batch,))
+def build(shape: Shape, variant: str, n: int, seed: int = 0,
+          device: str = "cpu") -> tuple[Classifier, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(seed)  # drawn on the CPU, so every device gets the same weights and inputs
+    model = Classifier(bert_config(shape, variant, max(shape.lengths))).to(device)
+    ids = torch.randint(1, shape.vocab, (shape.batch, n)).to(device)
+    labels = torch.randint(0, NUM_CLASSES, (shape.batch,)).to(device)
     return model, ids, labels
 
 
@@ -210,21 +229,24 @@ def sublayer_module(shape: Shape, variant: str, n: int) -> torch.nn.Module:
     return BertModel(bert_config(one_layer, variant, n), add_pooling_layer=False).encoder.layer[0].train()
 
 
-def sublayer_steps(shape: Shape, n: int) -> dict[str, Callable[[], None]]:
+def sublayer_steps(shape: Shape, n: int, device: str = "cpu", dtype: str = "fp32") -> dict[str, Callable[[], None]]:
     """Forward + backward of the attention sub-layer per variant, and of the primal middle / whole layer."""
     torch.manual_seed(0)
-    x = torch.randn(shape.batch, n, shape.hidden, requires_grad=True)
-    grad = torch.randn(shape.batch, n, shape.hidden)
+    x = torch.randn(shape.batch, n, shape.hidden).to(device).requires_grad_()
+    grad = torch.randn(shape.batch, n, shape.hidden).to(device)
     steps: dict[str, Callable[[], None]] = {}
     layers = {}
     for variant in ("primal-all", "sdpa", "eager"):
-        layer = sublayer_module(shape, variant, n)
+        layer = sublayer_module(shape, variant, n).to(device)
         layers[variant] = layer
 
         def attention_step(layer=layer) -> None:
             layer.zero_grad(set_to_none=True)
             x.grad = None
-            layer.attention(x)[0].backward(grad)
+            with _device.autocast(device, dtype):
+                out = layer.attention(x)[0]
+            out.backward(grad.to(out.dtype))
+            _device.synchronize(device)
 
         steps[f"attention {variant}"] = attention_step
     primal = layers["primal-all"]
@@ -232,13 +254,17 @@ def sublayer_steps(shape: Shape, n: int) -> dict[str, Callable[[], None]]:
     def layer_step() -> None:
         primal.zero_grad(set_to_none=True)
         x.grad = None
-        primal(x).backward(grad)
+        with _device.autocast(device, dtype):
+            out = primal(x)
+        out.backward(grad.to(out.dtype))
+        _device.synchronize(device)
 
     steps["layer primal-all"] = layer_step
     attn = primal.attention.self
     head_dim = shape.hidden // shape.heads
     split = (shape.batch, n, shape.heads, head_dim)
-    with torch.no_grad():  # detached leaves shaped exactly like the projections inside the layer
+    # Detached leaves shaped exactly like the projections inside the layer (in its autocast precision too).
+    with torch.no_grad(), _device.autocast(device, dtype):
         q = attn.query(x).view(split).transpose(1, 2).requires_grad_()
         k = attn.key(x).view(split).transpose(1, 2).requires_grad_()
     x_in = x.detach().requires_grad_()
@@ -246,7 +272,10 @@ def sublayer_steps(shape: Shape, n: int) -> dict[str, Callable[[], None]]:
     def middle_step() -> None:
         attn.zero_grad(set_to_none=True)
         q.grad = k.grad = x_in.grad = None
-        run_primal(attn, q, k, x_in, None)[0].backward(grad)
+        with _device.autocast(device, dtype):
+            out = run_primal(attn, q, k, x_in, None)[0]
+        out.backward(grad.to(out.dtype))
+        _device.synchronize(device)
 
     steps["middle primal-all"] = middle_step
     return steps
@@ -282,14 +311,21 @@ def _trim() -> None:
 
 def memory_job(settings: Settings, section: str, variant: str, n: int) -> dict[str, Any]:
     torch.set_num_threads(settings.threads)
-    _fix_malloc()
+    device, dtype = settings.device, settings.dtype
+    cuda = device.startswith("cuda")
+    if not cuda:
+        _fix_malloc()
     shape = settings.sections[section]
-    model, ids, labels = build(shape, variant, n)
+    model, ids, labels = build(shape, variant, n, device=device)
     # A short warm-up step first: lazy one-time allocations (kernel libraries, autograd engine) are not the
     # step's memory, and would otherwise add a constant ~17 MiB to every configuration.
-    make_step(model, ids[:, : min(n, 128)], labels, "train")()
-    step = make_step(model, ids, labels, "train")
+    make_step(model, ids[:, : min(n, 128)], labels, "train", device, dtype)()
+    step = make_step(model, ids, labels, "train", device, dtype)
     model.zero_grad(set_to_none=True)
+    if cuda:  # the allocator's high-water mark; the resident set of a CUDA process says nothing about tensors
+        with _device.cuda_peak(device) as peak:
+            step()
+        return {"peak_mib": peak["peak_mib"]}
     _trim()
     base = _status_kib("VmRSS")
     with open("/proc/self/clear_refs", "w") as handle:
@@ -329,9 +365,10 @@ def timing_job(settings: Settings, section: str) -> list[dict[str, Any]]:
         built = {}
         for variant in VARIANTS:
             if skip_reason(settings, shape, variant, n) is None:
-                built[variant] = build(shape, variant, n)
+                built[variant] = build(shape, variant, n, device=settings.device)
         for mode in ("train", "infer"):
-            steps = {v: make_step(m, ids, labels, mode) for v, (m, ids, labels) in built.items()}
+            steps = {v: make_step(m, ids, labels, mode, settings.device, settings.dtype)
+                     for v, (m, ids, labels) in built.items()}
             times = _time_round_robin(steps, settings.repeats, settings.budget_s)
             load = os.getloadavg()[0]  # > threads means other processes competed for the cores meanwhile
             for variant, (median, low, reps) in times.items():
@@ -350,7 +387,8 @@ def sublayer_job(settings: Settings) -> list[dict[str, Any]]:
     n = settings.sublayer_n
     for section in ("bert-base", "lra"):
         shape = settings.sections[section]
-        times = _time_round_robin(sublayer_steps(shape, n), settings.repeats, settings.budget_s)
+        steps = sublayer_steps(shape, n, settings.device, settings.dtype)
+        times = _time_round_robin(steps, settings.repeats, settings.budget_s)
         load = os.getloadavg()[0]
         for name, (median, low, reps) in times.items():
             part, variant = name.split(" ")
@@ -465,7 +503,8 @@ def summarise(settings: Settings, rows: list[dict], quick: bool) -> list[dict[st
 
 # ------------------------------------------------------------------------------------------ output
 CSV_FIELDS = ["section", "variant", "n", "batch", "mode", "time_ms", "time_ms_min", "reps", "peak_mib",
-              "speedup_vs_eager", "speedup_vs_sdpa", "mem_ratio_vs_eager", "mem_ratio_vs_sdpa", "load1", "status"]
+              "speedup_vs_eager", "speedup_vs_sdpa", "mem_ratio_vs_eager", "mem_ratio_vs_sdpa", "load1", "status",
+              "device", "dtype"]
 
 
 def _fmt(value: Any, digits: int = 1) -> str:
@@ -553,8 +592,9 @@ def environment(settings: Settings) -> str:
             cpu = next(line.split(":", 1)[1].strip() for line in handle if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return (f"torch {torch.__version__}, {settings.threads} threads, {os.cpu_count()} CPUs ({cpu}), "
-            f"load average {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f}")
+    # The device by name only: asking CUDA for its GPU's name would initialise it in the parent before it forks.
+    return (f"torch {torch.__version__}, {settings.device} {settings.dtype}, {settings.threads} threads, "
+            f"{os.cpu_count()} CPUs ({cpu}), load average {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f}")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -571,7 +611,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory workers")
     parser.add_argument("--only", action="append", choices=["lra", "bert-base", "sublayer"],
                         help="run only these parts (repeatable); default: all")
+    _device.add_arguments(parser)
     args = parser.parse_args(argv)
+    args.device, args.dtype = _device.resolve(args)
     settings = quick_settings(args) if args.quick else full_settings(args)
     parts = set(args.only or ["lra", "bert-base", "sublayer"])
     started = time.time()
@@ -601,6 +643,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         rows += in_worker(sublayer_job, settings)
     for row in rows:
         row.setdefault("status", "ok")
+        row.update(device=settings.device, dtype=settings.dtype)
     order = {v: i for i, v in enumerate(VARIANTS)}
     parts_by_section = [f"{part}:{s}" for s in ("bert-base", "lra") for part in ("attention", "middle", "layer")]
     sections = ["lra", "bert-base"] + parts_by_section

@@ -23,6 +23,7 @@ std over seeds) and ``conversion_tasks.png``.
     pip install -e ".[bench]"
     python scripts/benchmark_conversion_tasks.py             # everything, two one-thread workers
     python scripts/benchmark_conversion_tasks.py --quick     # smoke run (tiny budgets; what the test executes)
+    python scripts/benchmark_conversion_tasks.py --only timing --device cuda --dtype bf16   # the timing on a GPU
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _device  # noqa: E402
 import bbc_news  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -79,7 +81,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out-dir", default=str(RESULTS))
     p.add_argument("--work-dir", default=None, help="where the fine-tuned stock teachers are kept (default: a "
                    "folder in the system's temporary directory)")
+    _device.add_arguments(p)  # of the timing phase only; the accuracy runs stay on the CPU
     args = p.parse_args(argv)
+    args.device, args.dtype = _device.resolve(args)
     if args.quick:
         args.labels, args.seeds, args.ks, args.all_seed_ks, args.embed_ks, args.epochs = 24, "0", "1", "1", "1", 1.0
         args.recipe_steps, args.unlabeled, args.sensitivity_steps, args.embed_steps = 2, 64, 2, 2
@@ -378,13 +382,15 @@ def run_accuracy(args) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- timing
-def _time_forward(model, batch, repeats) -> float:
-    with torch.no_grad():
+def _time_forward(model, batch, repeats, device: str = "cpu", dtype: str = "fp32") -> float:
+    with torch.no_grad(), _device.autocast(device, dtype):
         model(**batch)
         times = []
         for _ in range(repeats):
+            _device.synchronize(device)  # CUDA runs kernels asynchronously: the clock waits for them at both ends
             started = time.perf_counter()
             model(**batch)
+            _device.synchronize(device)
             times.append(time.perf_counter() - started)
     return statistics.median(times)
 
@@ -405,29 +411,31 @@ def run_timing(args) -> None:
         if name.startswith("MiniLM"):
             def build(spec=None):
                 extra = {"primal_attention": spec} if spec is not None else {}
-                return BertModel.from_pretrained(minilm_path(), **extra).eval()
+                return BertModel.from_pretrained(minilm_path(), **extra).eval().to(args.device)
         else:
             config = dict(hidden_size=768, num_attention_heads=12, intermediate_size=3072, num_hidden_layers=6,
                           max_position_embeddings=length, attn_implementation="sdpa")
 
             def build(spec=None, config=config):
                 torch.manual_seed(0)
-                return BertModel(BertConfig(**config, **({"primal_attention": spec} if spec is not None else {})))
+                model = BertModel(BertConfig(**config, **({"primal_attention": spec} if spec is not None else {})))
+                return model.to(args.device)
         g = torch.Generator().manual_seed(0)
-        batch = {"input_ids": torch.randint(1000, 20000, (batch_size, length), generator=g),
-                 "attention_mask": torch.ones(batch_size, length, dtype=torch.long)}
+        batch = {"input_ids": torch.randint(1000, 20000, (batch_size, length), generator=g).to(args.device),
+                 "attention_mask": torch.ones(batch_size, length, dtype=torch.long).to(args.device)}
         repeats = 2 if args.quick else (3 if length >= 4096 else 9)
-        stock = _time_forward(build(), batch, repeats)
+        stock = _time_forward(build(), batch, repeats, args.device, args.dtype)
         for selection in SELECTIONS:
             for k in args.ks:
                 if k == 6 and selection == "auto":
                     continue
                 layers = chosen_layers(args, selection, k)
-                seconds = _time_forward(build(_spec(args, layers).to_dict()), batch, repeats)
+                seconds = _time_forward(build(_spec(args, layers).to_dict()), batch, repeats, args.device, args.dtype)
                 rows.append({"model": name, "tokens": length, "batch": batch_size, "selection": selection, "k": k,
                              "layers": " ".join(map(str, layers)), "stock_seconds": round(stock, 5),
                              "primal_seconds": round(seconds, 5), "time_vs_stock": round(seconds / stock, 4),
-                             "threads": args.timing_threads, "load_average": round(os.getloadavg()[0], 2)})
+                             "threads": args.timing_threads, "load_average": round(os.getloadavg()[0], 2),
+                             "device": args.device, "dtype": args.dtype})
     _write(Path(args.out_dir, TIMING_CSV), rows)
 
 

@@ -23,6 +23,9 @@ Memory - one fresh worker per (context, variant) pair, so that every peak is tha
   back to the OS) right before decoding on the prefilled cache: the process's peak while generating;
 * ``prefill_s``: wall time of the prefill forward.
 
+On CUDA (``--device cuda``) the three memory figures are the caching allocator's tensor memory instead (weights
+included, like the RSS figures; not the CUDA context or libraries), and every timed forward runs under autocast.
+
 Latency - one worker holding the three models and a prefilled cache for every pair:
 
 * ``latency_ms``: per-token decode latency, the median over ``--repeats`` rounds of (pass time / new
@@ -48,11 +51,13 @@ PNG plot in ``--out-dir``. Latencies depend on the machine and its load; run on 
 
     python scripts/benchmark_generation.py                      # full run (~6-9 min on 2 busy CPU cores)
     python scripts/benchmark_generation.py --quick --out-dir /tmp/bench   # tiny model, seconds
+    python scripts/benchmark_generation.py --device cuda --dtype bf16      # on a GPU (autocast, allocator peaks)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import ctypes
 import gc
@@ -68,11 +73,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import torch
-from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, StaticCache
+# Workers are forked. By default torch.cuda.is_available() (`_device.resolve` calls it; libraries may too) runs
+# cuInit, after which CUDA fails in every forked child; the NVML-based check leaves the parent uninitialised.
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
-import hf_primal  # noqa: F401  (lets GPT2Config take `primal_attention`)
-from hf_primal.modeling.cache import cache_kwarg, cache_nbytes
+import torch  # noqa: E402
+from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, StaticCache  # noqa: E402
+
+import hf_primal  # noqa: E402, F401  (lets GPT2Config take `primal_attention`)
+from hf_primal.modeling.cache import cache_kwarg, cache_nbytes  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when loaded from a file by the tests
+import _device  # noqa: E402
 
 VARIANTS: dict[str, Optional[dict]] = {
     "all-primal": {"layers": "all"},
@@ -124,6 +136,15 @@ def _rss_mb() -> float:
         return float("nan")
 
 
+def _cuda_mb(device: str) -> float:
+    return torch.cuda.memory_allocated(device) / 2**20
+
+
+def _cuda_peak(device: str) -> contextlib.AbstractContextManager[dict]:
+    """`_device.cuda_peak` on CUDA; on CPU nothing (the RSS high-water mark is read directly there)."""
+    return _device.cuda_peak(device) if device.startswith("cuda") else contextlib.nullcontext({})
+
+
 def _release_free_memory() -> None:
     # glibc keeps freed prefill buffers mapped; hand them back so that they do not count as decode memory.
     gc.collect()
@@ -134,7 +155,7 @@ def _release_free_memory() -> None:
 
 
 # ----------------------------------------------------------------------------------------- one measurement
-def build_model(variant: str, shape: Shape, seed: int) -> GPT2LMHeadModel:
+def build_model(variant: str, shape: Shape, seed: int, device: str = "cpu") -> GPT2LMHeadModel:
     """Randomly initialised GPT-2 of `shape`; `variant` picks which layers (if any) are primal."""
     torch.manual_seed(seed)
     config = GPT2Config(
@@ -148,7 +169,7 @@ def build_model(variant: str, shape: Shape, seed: int) -> GPT2LMHeadModel:
         primal_attention=VARIANTS[variant],
     )
     config._attn_implementation = "sdpa"  # canonical layers of every variant run SDPA, like stock
-    return GPT2LMHeadModel(config).eval()
+    return GPT2LMHeadModel(config).eval().to(device)  # built on the CPU: the same weights on every device
 
 
 def _branch(cache: DynamicCache) -> DynamicCache:
@@ -165,20 +186,28 @@ def _branch(cache: DynamicCache) -> DynamicCache:
     return branch
 
 
-def _decode(model: GPT2LMHeadModel, cache: DynamicCache, token: torch.Tensor, steps: int) -> float:
+def _decode(model: GPT2LMHeadModel, cache: DynamicCache, token: torch.Tensor, steps: int, device: str = "cpu",
+            dtype: str = "fp32") -> float:
+    _device.synchronize(device)
     start = time.perf_counter()
-    for _ in range(steps):
-        logits = model(token, **{cache_kwarg(): cache}, use_cache=True).logits
-        token = logits[:, -1].argmax(-1, keepdim=True)
+    with _device.autocast(device, dtype):
+        for _ in range(steps):
+            logits = model(token, **{cache_kwarg(): cache}, use_cache=True).logits
+            token = logits[:, -1].argmax(-1, keepdim=True)
+    _device.synchronize(device)  # CUDA runs kernels asynchronously: wait for them before reading the clock
     return time.perf_counter() - start
 
 
-def _prefill(model: GPT2LMHeadModel, prompt: torch.Tensor) -> tuple[DynamicCache, torch.Tensor, float]:
+def _prefill(model: GPT2LMHeadModel, prompt: torch.Tensor, device: str = "cpu",
+             dtype: str = "fp32") -> tuple[DynamicCache, torch.Tensor, float]:
     cache = DynamicCache(config=model.config)
+    _device.synchronize(device)
     start = time.perf_counter()
     # Only the last position's logits are needed, as in generate(); a full (context, vocab) logits tensor
     # would dominate the prefill memory of every variant alike.
-    logits = model(prompt, **{cache_kwarg(): cache}, use_cache=True, logits_to_keep=1).logits
+    with _device.autocast(device, dtype):
+        logits = model(prompt, **{cache_kwarg(): cache}, use_cache=True, logits_to_keep=1).logits
+    _device.synchronize(device)
     elapsed = time.perf_counter() - start
     return cache, logits[:, -1].argmax(-1, keepdim=True), elapsed
 
@@ -188,20 +217,28 @@ def _prompt(shape: Shape, context: int, seed: int) -> torch.Tensor:
     return torch.randint(0, shape.vocab_size, (1, context), generator=generator)
 
 
-def measure_memory(variant: str, context: int, shape: Shape, new_tokens: int, threads: int, seed: int) -> dict:
-    """Cache bytes, prefill time and peak RSS of one (variant, context) pair; run it in its own process."""
-    hwm_reset = _reset_peak_rss()
+def measure_memory(variant: str, context: int, shape: Shape, new_tokens: int, threads: int, seed: int,
+                   device: str = "cpu", dtype: str = "fp32") -> dict:
+    """Cache bytes, prefill time and peak memory of one (variant, context) pair; run it in its own process.
+
+    On CUDA: the allocator's memory, as the level before a phase plus that phase's peak above it (`_device.cuda_peak`).
+    """
+    cuda = device.startswith("cuda")
+    hwm_reset = True if cuda else _reset_peak_rss()
     torch.set_num_threads(threads)
-    model = build_model(variant, shape, seed)
-    model_rss = _rss_mb()
+    model = build_model(variant, shape, seed, device)
+    model_rss = _cuda_mb(device) if cuda else _rss_mb()
     with torch.no_grad():
-        cache, first, prefill_s = _prefill(model, _prompt(shape, context, seed))
+        with _cuda_peak(device) as prefill:
+            cache, first, prefill_s = _prefill(model, _prompt(shape, context, seed).to(device), device, dtype)
         nbytes = cache_nbytes(cache)
-        peak_rss = _peak_rss_mb()
+        peak_rss = model_rss + prefill["peak_mib"] if cuda else _peak_rss_mb()
         _release_free_memory()
-        hwm_reset = _reset_peak_rss() and hwm_reset
-        _decode(model, cache, first, new_tokens)
-        decode_peak_rss = _peak_rss_mb()
+        hwm_reset = (cuda or _reset_peak_rss()) and hwm_reset
+        decode_start = _cuda_mb(device) if cuda else 0.0
+        with _cuda_peak(device) as decode:
+            _decode(model, cache, first, new_tokens, device, dtype)
+        decode_peak_rss = decode_start + decode["peak_mib"] if cuda else _peak_rss_mb()
     return {
         "prefill_s": prefill_s,
         "cache_bytes": nbytes,
@@ -213,7 +250,8 @@ def measure_memory(variant: str, context: int, shape: Shape, new_tokens: int, th
 
 
 def measure_latency(
-    contexts: list[int], shape: Shape, new_tokens: int, repeats: int, threads: int, seed: int
+    contexts: list[int], shape: Shape, new_tokens: int, repeats: int, threads: int, seed: int, device: str = "cpu",
+    dtype: str = "fp32",
 ) -> dict[tuple[str, int], list[float]]:
     """Per-token decode seconds of every (variant, context) pair, `repeats` samples each.
 
@@ -222,13 +260,13 @@ def measure_latency(
     of every sample of whichever pair happened to be running.
     """
     torch.set_num_threads(threads)
-    models = {variant: build_model(variant, shape, seed) for variant in VARIANTS}
+    models = {variant: build_model(variant, shape, seed, device) for variant in VARIANTS}
     prefilled = {}
     with torch.no_grad():
         for context in contexts:
-            prompt = _prompt(shape, context, seed)
+            prompt = _prompt(shape, context, seed).to(device)
             for variant, model in models.items():
-                cache, first, _ = _prefill(model, prompt)
+                cache, first, _ = _prefill(model, prompt, device, dtype)
                 prefilled[variant, context] = (cache, first)
         samples: dict[tuple[str, int], list[float]] = {pair: [] for pair in prefilled}
         order = list(prefilled)
@@ -236,7 +274,7 @@ def measure_latency(
             random.Random(seed + round_).shuffle(order)
             for variant, context in order:
                 cache, first = prefilled[variant, context]
-                elapsed = _decode(models[variant], _branch(cache), first, new_tokens)
+                elapsed = _decode(models[variant], _branch(cache), first, new_tokens, device, dtype)
                 if round_:
                     samples[variant, context].append(elapsed / new_tokens)
         for (_variant, context), (cache, _) in prefilled.items():
@@ -246,40 +284,44 @@ def measure_latency(
 
 
 def measure_compiled(
-    variant: str, context: int, shape: Shape, new_tokens: int, repeats: int, threads: int, seed: int, backend: str
+    variant: str, context: int, shape: Shape, new_tokens: int, repeats: int, threads: int, seed: int, backend: str,
+    device: str = "cpu", dtype: str = "fp32",
 ) -> dict:
     """Per-token decode latency through ``torch.compile(model.forward, fullgraph=True)`` on a static cache."""
     torch.set_num_threads(threads)
-    model = build_model(variant, shape, seed)
-    prompt = _prompt(shape, context, seed)
+    model = build_model(variant, shape, seed, device)
+    prompt = _prompt(shape, context, seed).to(device)
     steps = 1 + new_tokens * repeats
     cache = StaticCache(config=model.config, max_cache_len=context + steps)
     forward = torch.compile(model.forward, fullgraph=True, backend=backend)
     tokens = []
-    with torch.no_grad():
+    with torch.no_grad(), _device.autocast(device, dtype):
         # Eager prefill, as generate() does with a compiled decode.
         logits = model(prompt, **{cache_kwarg(): cache}, use_cache=True, logits_to_keep=1).logits
         token = logits[:, -1].argmax(-1, keepdim=True)
 
         def step(token: torch.Tensor) -> torch.Tensor:
-            position = torch.tensor([[context + len(tokens)]])
+            position = torch.tensor([[context + len(tokens)]], device=device)
             tokens.append(token)
             out = forward(input_ids=token, **{cache_kwarg(): cache}, use_cache=True, position_ids=position)
             return out.logits[:, -1].argmax(-1, keepdim=True)
 
+        _device.synchronize(device)  # each clock is read after the device has finished (CUDA runs asynchronously)
         start = time.perf_counter()
         token = step(token)  # traces and compiles
+        _device.synchronize(device)
         compile_s = time.perf_counter() - start
         samples = []
         for _ in range(repeats):
             start = time.perf_counter()
             for _ in range(new_tokens):
                 token = step(token)
+            _device.synchronize(device)
             samples.append((time.perf_counter() - start) / new_tokens)
         tokens.append(token)
         # The same greedy tokens from eager decoding on the default dynamic cache (first pass only: cheap).
         check = 1 + new_tokens
-        cache, first, _ = _prefill(model, prompt)
+        cache, first, _ = _prefill(model, prompt, device, dtype)
         eager = [first]
         for _ in range(check - 1):
             logits = model(eager[-1], **{cache_kwarg(): cache}, use_cache=True).logits
@@ -390,7 +432,7 @@ def read_csv(path: Path) -> list[dict]:
         for raw in csv.DictReader(handle):
             row = {}
             for key, value in raw.items():
-                if key == "variant":
+                if key in ("variant", "device", "dtype"):
                     row[key] = value
                 elif key == "rss_high_water_reset":
                     row[key] = value == "True"
@@ -406,10 +448,13 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    first = rows[0]
+    device = first.get("device", "cpu")  # CSVs written before the --device option have no such column
+    memory = "CUDA allocator peak" if device.startswith("cuda") else "process peak RSS"
     panels = (
         ("latency_ms", "ms", "per-token decode latency", False),
         ("cache_bytes", "MiB", "cache size after prefill", True),
-        ("decode_peak_rss_mb", "MiB", "process peak RSS: decoding (solid), whole run (dashed)", False),
+        ("decode_peak_rss_mb", "MiB", f"{memory}: decoding (solid), whole run (dashed)", False),
     )
     contexts = sorted({r["context"] for r in rows})
     fig, axes = plt.subplots(1, len(panels), figsize=(15, 4.4))
@@ -431,11 +476,11 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_ylabel(unit)
         ax.grid(True, alpha=0.3)
     axes[0].legend()
-    first = rows[0]
     threads = f"{first['threads']} thread" + ("s" if first["threads"] > 1 else "")
     fig.suptitle(
-        f"GPT-2 ({first['n_layer']} layers, n_embd {first['n_embd']}, {first['n_head']} heads), batch 1, CPU, "
-        f"{threads}; latency = median of {first['repeats']} passes x {first['new_tokens']} tokens"
+        f"GPT-2 ({first['n_layer']} layers, n_embd {first['n_embd']}, {first['n_head']} heads), batch 1, {device} "
+        f"{first.get('dtype', 'fp32')}, {threads}; latency = median of {first['repeats']} passes x "
+        f"{first['new_tokens']} tokens"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -471,7 +516,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--quick", action="store_true", help="tiny 2-layer model and short contexts (for tests)")
     parser.add_argument("--replot", action="store_true", help="only redraw table and plot from the CSV in --out-dir")
+    _device.add_arguments(parser)
     args = parser.parse_args(argv)
+    args.device, args.dtype = _device.resolve(args)
     default_contexts = "16,32,64" if args.quick else "128,256,512,1024,2048,4096"
     args.contexts = sorted({int(c) for c in (args.contexts or default_contexts).split(",")})
     compiled = ("16" if args.quick else "128,512,2048") if args.compiled_contexts is None else args.compiled_contexts
@@ -499,7 +546,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     print(
         f"GPT-2 n_layer={shape.n_layer} n_embd={shape.n_embd} n_head={shape.n_head} vocab={shape.vocab_size} "
         f"n_positions={shape.n_positions}; contexts {args.contexts}; {args.new_tokens} new tokens x "
-        f"{args.repeats} repeats; {args.threads} thread(s); torch {torch.__version__}",
+        f"{args.repeats} repeats; {args.threads} thread(s); {args.device} {args.dtype}; torch {torch.__version__}",
         flush=True,
     )
     started = time.perf_counter()
@@ -510,8 +557,10 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
             row = {
                 "variant": variant, "context": context, "n_layer": shape.n_layer, "n_embd": shape.n_embd,
                 "n_head": shape.n_head, "new_tokens": args.new_tokens, "repeats": args.repeats, "threads": args.threads,
+                "device": args.device, "dtype": args.dtype,
             }
-            row.update(run_isolated(measure_memory, variant, context, shape, args.new_tokens, args.threads, args.seed))
+            row.update(run_isolated(measure_memory, variant, context, shape, args.new_tokens, args.threads, args.seed,
+                                    args.device, args.dtype))
             rows.append(row)
             print(
                 f"  {variant:<18} context {context:>5}: cache {row['cache_bytes'] / 2**20:9.3f} MiB, decode peak RSS "
@@ -521,7 +570,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     print(f"latency: one worker, {args.repeats} rounds over all pairs", flush=True)
     load_before = os.getloadavg()[0]
     samples = run_isolated(
-        measure_latency, args.contexts, shape, args.new_tokens, args.repeats, args.threads, args.seed
+        measure_latency, args.contexts, shape, args.new_tokens, args.repeats, args.threads, args.seed, args.device,
+        args.dtype,
     )
     # Above the thread count, other processes competed for the cores while latencies were timed.
     load = max(load_before, os.getloadavg()[0])
@@ -540,12 +590,12 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
               flush=True)
         compiled = [
             run_isolated(measure_compiled, variant, context, shape, args.new_tokens, args.repeats, args.threads,
-                         args.seed, args.compile_backend)
+                         args.seed, args.compile_backend, args.device, args.dtype)
             for context in args.compiled_contexts for variant in COMPILED_VARIANTS
         ]
         load = os.getloadavg()[0]
         for row in compiled:
-            row["load1"] = load
+            row.update(load1=load, device=args.device, dtype=args.dtype)
         print(compiled_table(compiled, rows))
         path = args.out_dir / COMPILED_CSV_NAME
         with open(path, "w", newline="") as handle:

@@ -40,6 +40,7 @@ Outputs in ``--out-dir``: ``peers_benchmark.csv``, ``peers_summary.csv`` (target
     python scripts/benchmark_peers.py --only peers --max-n 4096       # the peer table up to N = 4096
     python scripts/benchmark_peers.py --only short                    # short inputs and MiniLM
     python scripts/benchmark_peers.py --quick --out-dir /tmp/peers    # tiny shapes, seconds (used by the tests)
+    python scripts/benchmark_peers.py --device cuda --dtype bf16      # on a GPU: autocast steps, CUDA allocator peaks
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _device  # noqa: E402
 import benchmark as base  # noqa: E402  (sets the offline / verbosity environment before transformers loads)
 import torch  # noqa: E402
 
@@ -86,6 +88,8 @@ class Options:
     minilm_sentences: int
     minilm_batch: int
     quick: bool
+    device: str = "cpu"
+    dtype: str = "fp32"  # autocast precision of the timed steps (`_device.DTYPES`)
 
 
 def options(args: argparse.Namespace) -> Options:
@@ -93,12 +97,13 @@ def options(args: argparse.Namespace) -> Options:
         widths = (Width("C=16", 16, 2, (64, 128), low_rank=4, rank_multi=4, landmarks=16, linformer_k=16),
                   Width("C=32", 32, 4, (64, 128), low_rank=4, rank_multi=4, landmarks=16, linformer_k=16))
         short = base.Shape("short", 32, 4, 64, 2, 2, (16, 32), low_rank=4, rank_multi=4, vocab=64)
-        return Options(args.threads, 1, 5.0, args.eager_limit_gib, widths, (16, 32), 2, short, 64, 32, True)
+        return Options(args.threads, 1, 5.0, args.eager_limit_gib, widths, (16, 32), 2, short, 64, 32, True,
+                       args.device, args.dtype)
     lengths = tuple(n for n in (512, 1024, 2048, 4096, 8192) if n <= args.max_n)
     widths = (Width("C=64", 64, 2, lengths), Width("C=768", 768, 12, lengths))
     short = base.Shape("short", 768, 12, 3072, 2, args.short_batch, (128, 512))
     return Options(args.threads, args.repeats, args.budget_s, args.eager_limit_gib, widths, (128, 512),
-                   args.short_batch, short, args.minilm_sentences, 32, False)
+                   args.short_batch, short, args.minilm_sentences, 32, False, args.device, args.dtype)
 
 
 # ------------------------------------------------------------------------------------------ the sub-layers
@@ -140,7 +145,7 @@ def peer_settings(width: Width, variant: str) -> str:
     return ""
 
 
-def sublayer(width: Width, variant: str, n: int) -> torch.nn.Module:
+def sublayer(width: Width, variant: str, n: int, device: str = "cpu") -> torch.nn.Module:
     """The attention sub-layer of `variant` at width `width` for sequences of length `n`, in train mode."""
     torch.manual_seed(0)
     d = width.hidden // width.heads
@@ -148,7 +153,7 @@ def sublayer(width: Width, variant: str, n: int) -> torch.nn.Module:
         shape = base.Shape(width.name, width.hidden, width.heads, 4 * width.hidden, 1, 1, (n,),
                            low_rank=width.low_rank, rank_multi=width.rank_multi)
         name = "primal-all" if variant == "primal" else variant
-        return Stock(base.sublayer_module(shape, name, n).attention).train()
+        return Stock(base.sublayer_module(shape, name, n).attention).train().to(device)
     if variant == "performer":
         from performer_pytorch import SelfAttention
 
@@ -164,7 +169,7 @@ def sublayer(width: Width, variant: str, n: int) -> torch.nn.Module:
                                            dim_head=d)
     else:
         raise ValueError(variant)
-    return Residual(attention, width.hidden).train()
+    return Residual(attention, width.hidden).train().to(device)
 
 
 def eager_estimate_gib(width: Width, n: int) -> float:
@@ -177,27 +182,34 @@ def skip_reason(opts: Options, width: Width, variant: str, n: int) -> Optional[s
     return None
 
 
-def _inputs(width: Width, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    torch.manual_seed(1)
-    return torch.randn(1, n, width.hidden, requires_grad=True), torch.randn(1, n, width.hidden)
+def _inputs(width: Width, n: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(1)  # drawn on the CPU, so every device gets the same inputs
+    x, grad = torch.randn(1, n, width.hidden), torch.randn(1, n, width.hidden)
+    return x.to(device).requires_grad_(), grad.to(device)
 
 
-def make_steps(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> dict[str, Callable[[], None]]:
+def make_steps(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, device: str = "cpu",
+               dtype: str = "fp32") -> dict[str, Callable[[], None]]:
+    """Training and inference step; each synchronises at its end, so that a wall clock read after it is right."""
     def train() -> None:
         module.train()
         module.zero_grad(set_to_none=True)
         x.grad = None
-        module(x).backward(grad)
+        with _device.autocast(device, dtype):
+            out = module(x)
+        out.backward(grad.to(out.dtype))
+        _device.synchronize(device)
 
     def infer() -> None:
         module.eval()
-        with torch.inference_mode():
+        with torch.inference_mode(), _device.autocast(device, dtype):
             module(x)
+        _device.synchronize(device)
 
     return {"train": train, "infer": infer}
 
 
-def autograd_mib(module: torch.nn.Module, x: torch.Tensor) -> float:
+def autograd_mib(module: torch.nn.Module, x: torch.Tensor, device: str = "cpu", dtype: str = "fp32") -> float:
     """MiB of the distinct storages the forward saves for backward, parameters and the input excluded."""
     skip = {p.untyped_storage().data_ptr() for p in module.parameters()} | {x.untyped_storage().data_ptr()}
     seen: dict[int, int] = {}
@@ -209,7 +221,9 @@ def autograd_mib(module: torch.nn.Module, x: torch.Tensor) -> float:
         return t
 
     module.train()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _device.autocast(device, dtype):
+        # In the timed steps' precision: half-precision activations save half the bytes (under autocast the
+        # weights' half-precision copies are saved too; they do not grow with N).
         out = module(x)
     del out
     return sum(seen.values()) / 2**20
@@ -220,11 +234,11 @@ def peers_timing_job(opts: Options, width: Width) -> list[dict[str, Any]]:
     torch.set_num_threads(opts.threads)
     rows = []
     for n in width.lengths:
-        x, grad = _inputs(width, n)
-        built = {v: sublayer(width, v, n) for v in VARIANTS if skip_reason(opts, width, v, n) is None}
-        saved = {v: autograd_mib(m, x) for v, m in built.items()}
+        x, grad = _inputs(width, n, opts.device)
+        built = {v: sublayer(width, v, n, opts.device) for v in VARIANTS if skip_reason(opts, width, v, n) is None}
+        saved = {v: autograd_mib(m, x, opts.device, opts.dtype) for v, m in built.items()}
         for mode in ("train", "infer"):
-            steps = {v: make_steps(m, x, grad)[mode] for v, m in built.items()}
+            steps = {v: make_steps(m, x, grad, opts.device, opts.dtype)[mode] for v, m in built.items()}
             times = base._time_round_robin(steps, opts.repeats, opts.budget_s)
             load = os.getloadavg()[0]
             for variant, (median, low, reps) in times.items():
@@ -239,13 +253,21 @@ def peers_timing_job(opts: Options, width: Width) -> list[dict[str, Any]]:
 
 def peers_memory_job(opts: Options, width: Width, variant: str, n: int) -> dict[str, float]:
     torch.set_num_threads(opts.threads)
-    base._fix_malloc()
-    module = sublayer(width, variant, n)
-    x, grad = _inputs(width, n)
-    make_steps(module, x[:, : min(n, 128)].detach().requires_grad_(), grad[:, : min(n, 128)])["train"]() \
-        if variant != "linformer" else None  # warm-up (Linformer takes exactly N tokens)
-    step = make_steps(module, x, grad)["train"]
+    device, dtype = opts.device, opts.dtype
+    cuda = device.startswith("cuda")
+    if not cuda:
+        base._fix_malloc()
+    module = sublayer(width, variant, n, device)
+    x, grad = _inputs(width, n, device)
+    if variant != "linformer":  # warm-up (Linformer takes exactly N tokens)
+        m = min(n, 128)
+        make_steps(module, x[:, :m].detach().requires_grad_(), grad[:, :m], device, dtype)["train"]()
+    step = make_steps(module, x, grad, device, dtype)["train"]
     module.zero_grad(set_to_none=True)
+    if cuda:  # the allocator's high-water mark; the resident set of a CUDA process says nothing about tensors
+        with _device.cuda_peak(device) as peak:
+            step()
+        return {"peak_mib": peak["peak_mib"]}
     base._trim()
     start = base._status_kib("VmRSS")
     with open("/proc/self/clear_refs", "w") as handle:
@@ -263,12 +285,13 @@ def short_timing_job(opts: Options) -> list[dict[str, Any]]:
         built = {}
         for variant in ("primal-all", "primal-last", "sdpa"):
             torch.manual_seed(0)
-            model = base.Classifier(base.bert_config(shape, variant, max(shape.lengths)))
-            ids = torch.randint(1, shape.vocab, (shape.batch, n))
-            labels = torch.randint(0, base.NUM_CLASSES, (shape.batch,))
+            model = base.Classifier(base.bert_config(shape, variant, max(shape.lengths))).to(opts.device)
+            ids = torch.randint(1, shape.vocab, (shape.batch, n)).to(opts.device)
+            labels = torch.randint(0, base.NUM_CLASSES, (shape.batch,)).to(opts.device)
             built[variant] = (model, ids, labels)
         for mode in ("train", "infer"):
-            steps = {v: base.make_step(m, ids, labels, mode) for v, (m, ids, labels) in built.items()}
+            steps = {v: base.make_step(m, ids, labels, mode, opts.device, opts.dtype)
+                     for v, (m, ids, labels) in built.items()}
             # short steps are cheap: more repeats (3x the budget) tighten the medians the 5% target is read from
             times = base._time_round_robin(steps, opts.repeats * 2, opts.budget_s * 3)
             load = os.getloadavg()[0]
@@ -296,17 +319,19 @@ def minilm_job(opts: Options) -> list[dict[str, Any]]:
     tokenizer = AutoTokenizer.from_pretrained(path)
     _, test, _ = bbc_news.load()
     texts = test.texts[: opts.minilm_sentences]
-    batches = [dict(tokenizer(texts[i:i + opts.minilm_batch], padding=True, truncation=True, max_length=128,
-                              return_tensors="pt")) for i in range(0, len(texts), opts.minilm_batch)]
-    models = {"stock": BertModel.from_pretrained(path).eval(),
+    batches = [tokenizer(texts[i:i + opts.minilm_batch], padding=True, truncation=True, max_length=128,
+                         return_tensors="pt") for i in range(0, len(texts), opts.minilm_batch)]
+    batches = [{k: v.to(opts.device) for k, v in batch.items()} for batch in batches]
+    models = {"stock": BertModel.from_pretrained(path).eval().to(opts.device),
               "primal-last": convert(BertModel.from_pretrained(path), PrimalAttentionConfig(layers=[-1]),
-                                     progress=False).eval()}
+                                     progress=False).eval().to(opts.device)}
 
     def embed(model) -> Callable[[], None]:
         def run() -> None:
-            with torch.inference_mode():
+            with torch.inference_mode(), _device.autocast(opts.device, opts.dtype):
                 for batch in batches:
                     masked_mean_pool(model(**batch).last_hidden_state, batch["attention_mask"])
+            _device.synchronize(opts.device)  # before the wall clock is read
         return run
 
     times = base._time_round_robin({v: embed(m) for v, m in models.items()}, opts.repeats * 2, opts.budget_s * 6)
@@ -398,9 +423,10 @@ def summarise_short(rows: list[dict]) -> list[dict[str, Any]]:
 
 
 PEER_FIELDS = ["width", "hidden", "heads", "variant", "n", "mode", "time_ms", "time_ms_min", "reps", "autograd_mib",
-               "peak_mib", "speedup_vs_sdpa", "speedup_vs_fastest_peer", "fastest_peer", "load1", "status", "settings"]
+               "peak_mib", "speedup_vs_sdpa", "speedup_vs_fastest_peer", "fastest_peer", "load1", "status", "settings",
+               "device", "dtype"]
 SHORT_FIELDS = ["model", "variant", "n", "batch", "mode", "time_ms", "time_ms_min", "reps", "sentences_per_s",
-                "load1"]
+                "load1", "device", "dtype"]
 
 
 def write_csv(path: Path, rows: list[dict], fields: list[str]) -> None:
@@ -482,11 +508,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--minilm-sentences", type=int, default=256, help="BBC sentences embedded per timed pass")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-RSS workers")
     parser.add_argument("--only", action="append", choices=["peers", "short"], help="run only these sections")
+    _device.add_arguments(parser)
     args = parser.parse_args(argv)
+    args.device, args.dtype = _device.resolve(args)
     opts = options(args)
     parts = set(args.only or ["peers", "short"])
     started = time.time()
-    header = base.environment(base.Settings(opts.threads, opts.repeats, opts.budget_s, opts.eager_limit_gib, 0, 0))
+    header = base.environment(base.Settings(opts.threads, opts.repeats, opts.budget_s, opts.eager_limit_gib, 0, 0,
+                                            device=opts.device, dtype=opts.dtype))
     print(f"Primal-Attention vs packaged efficient attention ({'quick' if opts.quick else 'full'}): {header}",
           flush=True)
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -508,6 +537,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"  [{width.name}] done ({time.time() - started:.0f} s)", flush=True)
         for row in rows:
             row.setdefault("status", "ok")
+            row.update(device=opts.device, dtype=opts.dtype)
         add_ratios(rows)
         ref_n = 4096 if 4096 in opts.widths[0].lengths else max(opts.widths[0].lengths)
         summary = summarise(rows, ref_n, opts.threads)
@@ -521,6 +551,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if "short" in parts:
         short = base.in_worker(short_timing_job, opts)
         short += base.in_worker(minilm_job, opts)
+        for row in short:
+            row.update(device=opts.device, dtype=opts.dtype)
         print_rows(short, SHORT_FIELDS)
         print("\nSummary (short inputs)")
         short_summary = summarise_short(short)

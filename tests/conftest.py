@@ -77,6 +77,8 @@ def _seed():
 SLOW = {
     "test_benchmark_conversion.py",
     "test_benchmark_conversion_tasks.py",
+    "test_benchmark_long_documents.py::test_quick_run_has_every_job_and_a_reproducible_row",
+    "test_benchmark_long_documents.py::test_quick_run_summary_and_timing_ratios_from_the_raw_rows",
     "test_benchmark_peers.py",
     "test_benchmark_script.py",
     "test_compile.py",
