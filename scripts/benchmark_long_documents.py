@@ -388,7 +388,10 @@ def run_training(args: argparse.Namespace) -> None:
     rows = read_rows(path)
     done = {_key(r) for r in rows}
     todo = [(args, v, n, s) for v, n, s in jobs(args) if (v, str(n), str(s)) not in done]
-    pool = mp.get_context("spawn").Pool(args.workers, maxtasksperchild=1) if args.workers > 1 else None
+    # A run on CUDA always gets a process of its own: the parent must stay without a CUDA context, because the
+    # timing phase forks its workers.
+    separate = args.workers > 1 or args.device.startswith("cuda")
+    pool = mp.get_context("spawn").Pool(args.workers, maxtasksperchild=1) if separate else None
     with pool or contextlib.nullcontext(), tqdm(total=len(todo), desc="long documents") as bar:
         for row in (pool.imap_unordered(_run, todo) if pool else map(_run, todo)):
             rows = [r for r in rows if _key(r) != _key(row)] + [row]

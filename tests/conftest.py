@@ -84,6 +84,7 @@ SLOW = {
     "test_compile.py",
     "test_distributed.py",
     "test_notebook.py",
+    "test_run_gpu_benchmarks.py",
     "test_readme.py",
     "test_architectures.py::test_remote_code_loads_every_head_without_hf_primal",
     "test_architectures.py::test_save_reload_in_a_fresh_process_is_exact",

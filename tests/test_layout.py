@@ -75,3 +75,15 @@ def test_no_function_is_over_60_lines():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
                 long[f"{path.relative_to(PACKAGE)}:{node.name}"] = node.end_lineno - node.lineno + 1
     assert not long, long
+
+
+def test_one_place_reads_the_primal_marker():
+    # Which modules run Primal-Attention is answered by modeling.architecture.is_primal_attention (and
+    # primal_attention_modules); everything else asks it, so the marker can change in one place.
+    readers = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr")
+                    and len(node.args) > 1 and getattr(node.args[1], "value", None) == "_is_primal_attention"):
+                readers.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert [r.split(":")[0] for r in readers] == ["modeling/architecture.py"], readers

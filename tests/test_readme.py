@@ -207,6 +207,40 @@ def headline_rows(results) -> list[str]:
     return rows
 
 
+def long_documents_timing_rows(rows) -> list[str]:
+    """docs/benchmarks.md's long-document timing table, from scripts/results/long_documents_timing.csv."""
+    out = []
+    for r in rows:
+        if r["status"] != "ok":
+            out.append(f"| {r['n']} | {r['variant']} | {r['status']} | | | |")
+            continue
+        out.append(f"| {r['n']} | {r['variant']} | {float(r['step_ms']) / 1e3:.2f} | {float(r['speedup_vs_sdpa']):.2f}x | "
+                   f"{float(r['peak_mib']):.0f} | {float(r['memory_ratio_vs_sdpa']):.2f}x |")
+    return out
+
+
+def long_documents_headline(rows) -> str:
+    """README's headline row for long documents, from scripts/results/long_documents_timing.csv."""
+    primal = {r["n"]: r for r in _by(rows, variant="primal")}
+    last = {r["n"]: r for r in _by(rows, variant="primal-last")}
+    return (f"| training step on real BBC News articles (bytes, LRA shape, batch 32), N = 2048 / 4096, every layer primal "
+            f"| {float(primal['2048']['speedup_vs_sdpa']):.2f}x / {float(primal['4096']['speedup_vs_sdpa']):.2f}x "
+            f"faster than SDPA, {float(primal['2048']['memory_ratio_vs_sdpa']):.2f}x / "
+            f"{float(primal['4096']['memory_ratio_vs_sdpa']):.2f}x less peak memory; last layer only: "
+            f"{float(last['2048']['speedup_vs_sdpa']):.2f}x / {float(last['4096']['speedup_vs_sdpa']):.2f}x faster "
+            f"| `long_documents_timing.csv` |")
+
+
+def test_long_document_figures_are_those_of_the_results_files():
+    rows = _csv_rows(ROOT / "scripts" / "results" / "long_documents_timing.csv")
+    benchmarks = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    lines = long_documents_timing_rows(rows)
+    assert len(lines) == len(rows) >= 14
+    for line in lines:
+        assert line in benchmarks, line
+    assert long_documents_headline(rows) in README
+
+
 def test_conversion_and_headline_figures_are_those_of_the_results_files():
     results = ROOT / "scripts" / "results"
     conversion = (ROOT / "docs" / "conversion.md").read_text(encoding="utf-8")

@@ -20,8 +20,8 @@ from torch import nn
 from transformers import initialization as hf_init
 from transformers.cache_utils import Cache
 
-from .cache import primal_cache_layer
-from .cache_layers import DEFAULT_CROP_WINDOW, cache_kwarg
+from .cache import attention_cache_layer
+from .cache_layers import cache_kwarg
 from .config import PrimalAttentionConfig
 from .primal import PrimalCore
 from .sampling import num_sampled_tokens
@@ -166,7 +166,7 @@ def convert_layers(model: nn.Module, architecture: Architecture, primal_config: 
     for index in selected:
         _, module = layers[index]
         ignore += architecture.value_checkpoint_patterns(index)
-        if getattr(module, "_is_primal_attention", False):
+        if is_primal_attention(module):
             module._primal_crop_window = spec.crop_window
             module.primal.sampling = spec.sampling
             continue
@@ -205,13 +205,9 @@ def prepare_primal_cache(model: nn.Module, model_kwargs: dict, generation_config
     cache = model_kwargs.get(cache_kwarg())
     if cache is None or not isinstance(cache, Cache):
         return
-    layers = [
-        m for m in model.modules()
-        if getattr(m, "_is_primal_attention", False) and getattr(m, "_primal_causal", False)
-        and getattr(m, "layer_idx", None) is not None
-    ]
-    installed = [primal_cache_layer(cache, m.layer_idx, getattr(m, "_primal_crop_window", DEFAULT_CROP_WINDOW))
-                 for m in layers]
+    layers = [m for _, m in primal_attention_modules(model)
+              if getattr(m, "_primal_causal", False) and getattr(m, "layer_idx", None) is not None]
+    installed = [attention_cache_layer(cache, m) for m in layers]
     if generation_config is not None and getattr(generation_config, "is_assistant", False):
         for layer in installed:
             layer.activate_past_recording()
@@ -225,9 +221,19 @@ def init_primal_core(core: nn.Module) -> None:
     hf_init.uniform_(core.Lambda, 0.0, 1.0)
 
 
+def is_primal_attention(module: nn.Module) -> bool:
+    """Whether `module` runs Primal-Attention (every Primal*Attention class carries ``_is_primal_attention``)."""
+    return bool(getattr(module, "_is_primal_attention", False))
+
+
+def primal_attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every attention module of `model` that runs Primal-Attention, in module order."""
+    return [(name, module) for name, module in model.named_modules() if is_primal_attention(module)]
+
+
 def primal_layers(model: nn.Module) -> list[str]:
     """Module names of the attention layers of `model` that run Primal-Attention."""
-    return [name for name, module in model.named_modules() if getattr(module, "_is_primal_attention", False)]
+    return [name for name, _ in primal_attention_modules(model)]
 
 
 def inherit_weight_conversions(model: nn.Module) -> None:

@@ -22,6 +22,7 @@ __all__ = [
     "DEFAULT_CROP_WINDOW",
     "PrimalCacheLayer",
     "PrimalStaticCacheLayer",
+    "attention_cache_layer",
     "cache_kwarg",
     "cache_nbytes",
     "primal_cache_layer",
@@ -45,6 +46,11 @@ def _install(cache: Cache, layer_idx: int, layer: PrimalCacheLayer) -> PrimalCac
         # A bound method, so that copy.deepcopy(cache) rebinds it to the copy.
         cache.crop = types.MethodType(_validated_crop, cache)
     return layer
+
+
+def attention_cache_layer(cache: Cache, module: torch.nn.Module) -> PrimalCacheLayer:
+    """The `PrimalCacheLayer` of the causal primal attention `module` (its ``layer_idx`` and crop window)."""
+    return primal_cache_layer(cache, module.layer_idx, getattr(module, "_primal_crop_window", DEFAULT_CROP_WINDOW))
 
 
 def primal_cache_layer(cache: Cache, layer_idx: int, crop_window: int = DEFAULT_CROP_WINDOW) -> PrimalCacheLayer:

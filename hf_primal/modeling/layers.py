@@ -16,8 +16,8 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
-from .cache import primal_cache_layer
-from .cache_layers import DEFAULT_CROP_WINDOW, PrimalCacheLayer, PrimalStaticCacheLayer
+from .cache import attention_cache_layer
+from .cache_layers import PrimalCacheLayer, PrimalStaticCacheLayer
 
 try:  # transformers records layer outputs (attentions, hidden states) with hooks while this collector is active
     from transformers.utils.output_capturing import _active_collector as _OUTPUT_COLLECTOR
@@ -208,7 +208,7 @@ def run_primal(
     attention = None
     layer = None
     if causal and cache is not None:
-        layer = primal_cache_layer(cache, module.layer_idx, getattr(module, "_primal_crop_window", DEFAULT_CROP_WINDOW))
+        layer = attention_cache_layer(cache, module)
     static = isinstance(layer, PrimalStaticCacheLayer)
     valid = valid_tokens(
         attention_mask, batch, length, own_row=segments is not None,

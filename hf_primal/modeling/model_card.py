@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
+from .architecture import primal_layers
 from .config import PrimalAttentionConfig
 
 
@@ -40,7 +41,7 @@ def _front_matter(model: Any, base: Optional[str], tags: Optional[list[str]]) ->
 
 def _summary(model: Any, base: Optional[str], spec: PrimalAttentionConfig) -> list[str]:
     """Title, one-line description, base model, primal layers and their settings."""
-    layers = [name for name, m in model.named_modules() if getattr(m, "_is_primal_attention", False)]
+    layers = primal_layers(model)
     return [
         "",
         f"# {type(model).__name__} (Primal-Attention)",

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..modeling.architecture import primal_attention_modules
 from ..modeling.kernel import NORM_EPS, prefix_mean_features, sampled_gram
 
 SOFTMAX, PRIMAL, PRIMAL_CAUSAL = "softmax", "primal", "primal-causal"
@@ -145,16 +146,15 @@ def _hook_primal_cores(
     """Pre-hooks that store each primal core's inputs in ``captured[layer]``; returns the cores and hook handles."""
     cores: dict[int, nn.Module] = {}
     handles = []
-    for module in model.modules():
-        if getattr(module, "_is_primal_attention", False):
-            index = int(module.layer_idx)
-            cores[index] = module.primal
+    for _, module in primal_attention_modules(model):
+        index = int(module.layer_idx)
+        cores[index] = module.primal
 
-            def hook(_core, args, kwargs, index=index):
-                captured[index] = {"q": args[0], "k": args[1], "x": kwargs.get("x"), "valid": kwargs.get("valid"),
-                                   "state": kwargs.get("state")}
+        def hook(_core, args, kwargs, index=index):
+            captured[index] = {"q": args[0], "k": args[1], "x": kwargs.get("x"), "valid": kwargs.get("valid"),
+                               "state": kwargs.get("state")}
 
-            handles.append(module.primal.register_forward_pre_hook(hook, with_kwargs=True))
+        handles.append(module.primal.register_forward_pre_hook(hook, with_kwargs=True))
     return cores, handles
 
 

@@ -24,7 +24,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..integration.hub import enable_remote_code
-from ..modeling.architecture import Architecture
+from ..modeling.architecture import Architecture, primal_attention_modules
 from ..modeling.config import PrimalAttentionConfig
 from ..modeling.layers import valid_tokens
 from ..models import find_architecture
@@ -352,7 +352,7 @@ def _fit_layer(module, record, steps, learning_rate, qk_names, progress, name) -
     measured on it and the parameters kept are those with the lowest held-out error, so a small calibration set
     cannot be over-fitted.
     """
-    attention = next(m for m in module.modules() if getattr(m, "_is_primal_attention", False))
+    attention = primal_attention_modules(module)[0][1]
     params, states = _fit_parameters(module, attention, qk_names)
     was_training = module.training
     module.eval()  # no dropout while fitting

@@ -6,6 +6,7 @@ from typing import Any
 
 from torch import nn
 
+from ..modeling.architecture import primal_layers
 from ..models import find_architecture
 
 
@@ -23,7 +24,7 @@ def lora_config(model: nn.Module, r: int = 8, lora_alpha: int = 16, lora_dropout
     from peft import LoraConfig
 
     architecture = find_architecture(model)
-    if not any(getattr(m, "_is_primal_attention", False) for m in model.modules()):
+    if not primal_layers(model):
         raise ValueError(
             f"lora_config: {type(model).__name__} has no primal attention layer; "
             "build it with primal_attention=... first."

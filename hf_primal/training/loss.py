@@ -12,13 +12,14 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ..modeling.architecture import primal_attention_modules
 from ..modeling.primal import KSVDTerms, ksvd_objective
 
 REDUCTIONS = ("sequence", "batch")
 
 
 def _primal_modules(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if getattr(m, "_is_primal_attention", False)]
+    return [m for _, m in primal_attention_modules(model)]
 
 
 def primal_model(model: nn.Module) -> nn.Module:

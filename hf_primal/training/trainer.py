@@ -11,6 +11,7 @@ from torch import nn
 from transformers import Trainer
 
 from ..integration.compat import check_trainer_instance
+from ..modeling.architecture import primal_attention_modules
 from ..modeling.config import PrimalAttentionConfig
 from ..models import find_architecture
 from .calibration import input_columns
@@ -341,7 +342,7 @@ class PrimalTrainer(Trainer):
     # ------------------------------------------------------------------ evaluation
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         result = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
-        terms = [getattr(m, "ksvd_terms", None) for m in model.modules() if getattr(m, "_is_primal_attention", False)]
+        terms = [getattr(m, "ksvd_terms", None) for _, m in primal_attention_modules(model)]
         if terms and all(t is not None for t in terms):
             self._eval_ksvd.append(ksvd_from_terms(terms, self.ksvd_reduction).detach().float())
             clear_ksvd_terms(model)
