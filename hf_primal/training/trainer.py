@@ -123,6 +123,13 @@ def _checked_primal_learning_rate(primal_learning_rate: Optional[float], learnin
     return float(primal_learning_rate) if primal_learning_rate is not None else PRIMAL_LR_MULTIPLIER * learning_rate
 
 
+def _accumulate(total: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """`total` + `value`, kept on the loss's device: copying to the host every micro-batch would stall an
+    accelerator once per step. Float64 where the device has it (MPS has none)."""
+    wide = torch.float32 if value.device.type == "mps" else torch.float64
+    return total.to(value.device, wide) + value.detach().to(wide)
+
+
 class PrimalTrainer(Trainer):
     """A `Trainer` that adds ``eta * ksvd_loss(model)`` to the task loss of models with primal layers.
 
@@ -332,10 +339,10 @@ class PrimalTrainer(Trainer):
             loss = loss + (self.ksvd_weight * factor) * unlabeled_ksvd.to(task_loss.dtype)
         if distilling:
             loss = loss + (self.distill_weight * factor) * distill.to(task_loss.dtype)
-            self._distill_sum += distill.detach().double().cpu()
-        self._ksvd_sum += ksvd.detach().double().cpu()
+            self._distill_sum = _accumulate(self._distill_sum, distill)
+        self._ksvd_sum = _accumulate(self._ksvd_sum, ksvd)
         # What this micro-batch adds to the optimizer step's task loss, in the units Trainer logs "loss" in.
-        self._task_sum += (task_loss.detach().double() * (1.0 if scaled else 1.0 / steps)).cpu()
+        self._task_sum = _accumulate(self._task_sum, task_loss * (1.0 if scaled else 1.0 / steps))
         self._micro_batches += 1
         return (loss, outputs) if return_outputs else loss
 
@@ -365,11 +372,11 @@ class PrimalTrainer(Trainer):
     def log(self, logs: dict[str, float], start_time: Optional[float] = None) -> None:
         if "loss" in logs and self._micro_batches > 0:
             steps = max(int(getattr(self, "current_gradient_accumulation_steps", 1) or 1), 1)
-            local = torch.stack([
-                self._ksvd_sum / self._micro_batches,
-                self._task_sum / (self._micro_batches / steps),
-                self._distill_sum / self._micro_batches,
-            ]).to(self.args.device, torch.float32)
+            local = torch.stack([(total / count).to(self.args.device, torch.float32) for total, count in (
+                (self._ksvd_sum, self._micro_batches),
+                (self._task_sum, self._micro_batches / steps),
+                (self._distill_sum, self._micro_batches),
+            )])
             gathered = self.accelerator.gather(local[None]).mean(dim=0)
             logs["ksvd_loss"] = round(float(gathered[0]), 6)
             logs["task_loss"] = round(float(gathered[1]), 6)
