@@ -100,3 +100,40 @@ def test_quick_run_embedding_measures(quick_run):
     # Each timed model converts the layers its row names (the same choice as the accuracy rows).
     assert {(t["selection"], t["layers"]) for t in timing} == {(r["selection"], r["layers"]) for r in rows.values()
                                                                if r["k"] != "0"}
+
+
+def test_summary_equals_hand_computed_means_and_sample_stds():
+    import benchmark_conversion_tasks as bench
+
+    def row(task, seed, acc, f1, seconds, variant="recipe", selection="auto", k=3, layers="1 2 4"):
+        return {"task": task, "variant": variant, "selection": selection, "k": str(k), "layers": layers,
+                "seed": str(seed), "accuracy": str(acc), "macro_f1": str(f1), "seconds": str(seconds)}
+
+    rows = [row("sentences", 0, 0.70, 0.60, 10), row("sentences", 1, 0.80, 0.70, 20),
+            row("sentences", 2, 0.90, 0.80, 30),
+            row("headlines", 0, 0.5, 0.4, 5, variant="stock", selection="", k=0, layers="")]
+    summary = {(s["task"], s["variant"]): s for s in bench.summarise(rows)}
+    recipe = summary[("sentences", "recipe")]
+    assert recipe["seeds"] == 3 and recipe["accuracy_mean"] == 0.8 and recipe["accuracy_std"] == 0.1  # sample std
+    assert recipe["macro_f1_mean"] == 0.7 and recipe["seconds_mean"] == 20.0 and recipe["layers"] == "1 2 4"
+    stock = summary[("headlines", "stock")]
+    assert stock["seeds"] == 1 and stock["accuracy_std"] == 0.0 and stock["k"] == 0
+
+
+def test_schedule_runs_every_row_once_first_seeds_first_both_selections_alike():
+    import benchmark_conversion_tasks as bench
+
+    args = bench.parse_args([])
+    first, second = bench.accuracy_jobs(args)
+    recipes = [params for name, params in second if name == "recipe"]
+    assert len(recipes) == len(set(recipes))
+    # Every K for both selections (K = 6 once: every layer is the same model either way), every seed.
+    expected = {(task, seed, selection, k) for task in ("sentences", "headlines") for seed in (0, 1, 2)
+                for k in (1, 2, 3, 4, 6) for selection in ("auto", "last") if not (k == 6 and selection == "auto")}
+    assert set(recipes) == expected
+    # The first seed of every row comes before any other seed, so an interrupted run already shows every K.
+    last_first_seed = max(i for i, p in enumerate(recipes) if p[1] == 0)
+    assert all(p[1] == 0 for p in recipes[: last_first_seed + 1])
+    # Then K = 3 (the K the targets name) for both selections before any other K.
+    extra = [p for p in recipes if p[1] != 0]
+    assert {p[3] for p in extra[:8]} == {3} and {p[2] for p in extra[:8]} == {"auto", "last"}

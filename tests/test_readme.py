@@ -214,8 +214,9 @@ def long_documents_timing_rows(rows) -> list[str]:
         if r["status"] != "ok":
             out.append(f"| {r['n']} | {r['variant']} | {r['status']} | | | |")
             continue
-        out.append(f"| {r['n']} | {r['variant']} | {float(r['step_ms']) / 1e3:.2f} | {float(r['speedup_vs_sdpa']):.2f}x | "
-                   f"{float(r['peak_mib']):.0f} | {float(r['memory_ratio_vs_sdpa']):.2f}x |")
+        out.append(f"| {r['n']} | {r['variant']} | {float(r['step_ms']) / 1e3:.2f} | "
+                   f"{float(r['speedup_vs_sdpa']):.2f}x | {float(r['peak_mib']):.0f} | "
+                   f"{float(r['memory_ratio_vs_sdpa']):.2f}x |")
     return out
 
 
@@ -223,7 +224,8 @@ def long_documents_headline(rows) -> str:
     """README's headline row for long documents, from scripts/results/long_documents_timing.csv."""
     primal = {r["n"]: r for r in _by(rows, variant="primal")}
     last = {r["n"]: r for r in _by(rows, variant="primal-last")}
-    return (f"| training step on real BBC News articles (bytes, LRA shape, batch 32), N = 2048 / 4096, every layer primal "
+    return (f"| training step on real BBC News articles (bytes, LRA shape, batch 32), N = 2048 / 4096, every layer "
+            f"primal "
             f"| {float(primal['2048']['speedup_vs_sdpa']):.2f}x / {float(primal['4096']['speedup_vs_sdpa']):.2f}x "
             f"faster than SDPA, {float(primal['2048']['memory_ratio_vs_sdpa']):.2f}x / "
             f"{float(primal['4096']['memory_ratio_vs_sdpa']):.2f}x less peak memory; last layer only: "
