@@ -70,6 +70,28 @@ def _seed():
     yield
 
 
+SESSION_THREADS = torch.get_num_threads()
+
+
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    # A benchmark job run in-process sets torch's thread count for the rest of the process; tests that compare this
+    # process's outputs bit for bit with a child's (child_env) need both to split their kernels the same way.
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def child_env(**extra: str) -> dict:
+    """Environment of a child Python process that must compute exactly what this one computes: offline, without
+    this checkout on PYTHONPATH (so it imports only what is installed) and with this process's torch thread count
+    (kernels split their sums by thread, so a different count can change the last bits)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=str(torch.get_num_threads()))
+    env.update(extra)
+    return env
+
+
 # Tests that take 5 s or more on 2 CPU cores (fresh subprocesses, `accelerate launch`, torch.compile, the notebook,
 # the demo, benchmark and training scripts; measured with --durations), in one place: "file.py" marks a whole file,
 # "file.py::test" every parametrisation of one test. `python -m pytest -m "not slow" tests` runs the rest (README,

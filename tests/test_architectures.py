@@ -21,7 +21,7 @@ from hf_primal.integration.hub import REMOTE_CODE_FILES, hub_heads
 from hf_primal.modeling.cache import PrimalCacheLayer
 from hf_primal.models import ARCHITECTURES, BY_NAME, find_architecture
 from tests.architectures import CASES, inputs, pad_id
-from tests.conftest import cache_kw, capture_layer_io
+from tests.conftest import cache_kw, capture_layer_io, child_env
 from tests.reference import reference_causal, reference_noncausal
 
 NAMES = [a.name for a in ARCHITECTURES]
@@ -169,8 +169,7 @@ def test_lora_targets_the_qk_projections(name):
 
 
 def _child(code, cwd, plugin):
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["HF_HUB_OFFLINE"] = "1"
+    env = child_env()
     block = "" if plugin else "import sys; sys.modules['hf_primal'] = None  # as where hf_primal is not installed\n"
     return subprocess.run([sys.executable, "-c", block + textwrap.dedent(code)], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=300, stdin=subprocess.DEVNULL)

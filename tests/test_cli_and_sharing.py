@@ -30,15 +30,14 @@ from transformers import (
 import hf_primal
 from hf_primal.integration.hub import REMOTE_CODE_FILES
 from hf_primal.tools.cli import CLIError, build_parser, check_source, main
-from tests.conftest import bert_config, gpt2_config, vit_config
+from tests.conftest import bert_config, child_env, gpt2_config, vit_config
 
 BLOCK_PLUGIN = "import sys; sys.modules['hf_primal'] = None  # `import hf_primal` fails here\n"
 PROMPT_MARKERS = ("[y/N]", "custom code", "model of type")
 
 
 def run_child(code: str, cwd, plugin: bool = False, args=("-c",)) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["HF_HUB_OFFLINE"] = "1"
+    env = child_env()
     source = textwrap.dedent(code) if plugin else BLOCK_PLUGIN + textwrap.dedent(code)
     return subprocess.run([sys.executable, *args, source], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
                           capture_output=True, text=True, timeout=300)
@@ -279,8 +278,7 @@ def test_stock_models_still_save_stock(tmp_path):
 # ---------------------------------------------------------------------------------------------- CLI
 def _cli(args, cwd, importtime=False):
     flags = ["-X", "importtime"] if importtime else []
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["HF_HUB_OFFLINE"] = "1"
+    env = child_env()
     return subprocess.run([sys.executable, *flags, "-m", "hf_primal.tools.cli", *args], cwd=cwd, env=env,
                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
 

@@ -25,7 +25,7 @@ from transformers import (
 import hf_primal
 from hf_primal import convert, primal_layers
 from hf_primal.integration.hub import REMOTE_CODE_FILES
-from tests.conftest import bert_config, gpt2_config, vit_config
+from tests.conftest import bert_config, child_env, gpt2_config, vit_config
 
 AUTO = {
     "bert": AutoModelForSequenceClassification, "vit": AutoModelForImageClassification, "gpt2": AutoModelForCausalLM
@@ -213,7 +213,7 @@ def test_convert_bad_input():
 
 
 def _fresh(code, cwd):
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = child_env()
     return subprocess.run([sys.executable, "-c", _BLOCK + textwrap.dedent(code)], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=300)
 

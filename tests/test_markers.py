@@ -1,12 +1,15 @@
-"""The `slow` marker table in tests/conftest.py names tests that exist (a renamed test would silently join the
-quick subset)."""
+"""The suite's own machinery in tests/conftest.py: the `slow` marker table names tests that exist (a renamed test
+would silently join the quick subset), and child processes compute with this process's thread count."""
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.conftest import SLOW
+from tests.conftest import SESSION_THREADS, SLOW, child_env
 
 TESTS = Path(__file__).parent
 
@@ -19,3 +22,18 @@ def test_slow_table_names_an_existing_test(entry):
     if test:
         assert re.search(rf"^def {re.escape(test)}\(", path.read_text(encoding="utf-8"), re.MULTILINE), entry
 
+
+
+def test_a_child_process_computes_with_this_process_thread_count():
+    # Bit-for-bit comparisons between this process and a child (saved folders, remote code) hold only when both split
+    # their kernels over the same number of threads, whatever an earlier test set.
+    torch.set_num_threads(1)  # the autouse fixture restores the count afterwards
+    code = "import torch; print(torch.get_num_threads())"
+    result = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert int(result.stdout.strip()) == 1
+    assert child_env()["HF_HUB_OFFLINE"] == "1" and "PYTHONPATH" not in child_env()
+
+
+def test_the_thread_count_is_back_after_a_test_that_changed_it():
+    assert torch.get_num_threads() == SESSION_THREADS  # the test above set 1

@@ -1,11 +1,13 @@
 """Every Python code block of README.md runs as pasted (in order, one namespace), and so do the shell blocks that
 need no network (install commands and the long demo / benchmarks are exercised by CI and their own tests)."""
 
-import os
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.conftest import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -15,9 +17,7 @@ _SKIP = ("pip install", "hf-primal demo", "benchmark")
 
 
 def _env():
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    return env
+    return child_env()
 
 
 def test_readme_has_the_blocks_we_expect():
@@ -138,6 +138,24 @@ def conversion_tasks_rows(summary) -> list[str]:
     return out
 
 
+def selection_vs_last_rows(rows) -> list[str]:
+    """docs/conversion.md's paired comparison, from conversion_tasks.csv: measured selection minus last K, in points,
+    over the seeds both ran (mean ± std of the per-seed differences; number of seeds)."""
+    out = []
+    for k in sorted({int(r["k"]) for r in rows if r["variant"] == "recipe" and r["selection"] == "auto"}):
+        cells = []
+        for task in ("sentences", "headlines"):
+            runs = {sel: {r["seed"]: float(r["accuracy"])
+                          for r in _by(rows, task=task, variant="recipe", selection=sel, k=k)}
+                    for sel in ("auto", "last")}
+            seeds = sorted(set(runs["auto"]) & set(runs["last"]))
+            diffs = [100 * (runs["auto"][s] - runs["last"][s]) for s in seeds]
+            spread = f" ± {statistics.stdev(diffs):.1f}" if len(diffs) > 1 else ""
+            cells.append(f"{statistics.fmean(diffs):+.1f}{spread} ({len(diffs)})" if diffs else "-")
+        out.append(f"| {k} | {cells[0]} | {cells[1]} |")
+    return out
+
+
 def conversion_embedding_rows(rows) -> list[str]:
     """docs/conversion.md's frozen-embedding table, from scripts/results/conversion_embeddings.csv."""
     ordered = sorted(rows, key=lambda r: (int(r["k"]), r["selection"]))
@@ -255,5 +273,7 @@ def test_conversion_and_headline_figures_are_those_of_the_results_files():
     for line in conversion_cost_rows(_csv_rows(results / "conversion_tasks_summary.csv")):
         assert line in conversion, line
     assert sensitivity_line(results) in conversion
+    for line in selection_vs_last_rows(_csv_rows(results / "conversion_tasks.csv")):
+        assert line in conversion, line
     for line in headline_rows(results):
         assert line in README, line

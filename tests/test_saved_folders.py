@@ -18,6 +18,7 @@ import torch
 import transformers
 
 import hf_primal  # noqa: F401
+from tests.conftest import child_env
 from tests.helpers.flat_layout import FOLDERS, outputs, reference
 
 
@@ -55,8 +56,7 @@ def test_flat_layout_folders_load_without_the_plugin(tmp_path):
         assert type(bert).__module__.startswith("transformers_modules"), type(bert).__module__
         torch.save(outputs(bert, gpt2), {str(tmp_path / 'out.pt')!r})
         """
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))
+    env = child_env(HF_MODULES_CACHE=str(tmp_path / "modules"))
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -35,7 +35,7 @@ from transformers.core_model_loading import WeightRenaming
 import hf_primal
 from hf_primal.modeling.cache import PrimalCacheLayer, cache_nbytes
 from hf_primal.modeling.primal import PrimalCore
-from tests.conftest import bert_config, cache_kw, gpt2_config, vit_config
+from tests.conftest import bert_config, cache_kw, child_env, gpt2_config, vit_config
 
 HEADS, HEAD_DIM = 4, 8  # every tiny config: hidden 32, 4 heads
 ALL = {"layers": "all", "low_rank": 4, "rank_multi": 2}
@@ -548,8 +548,7 @@ def test_shareable_vit_loads_its_own_weights_with_and_without_the_plugin(tmp_pat
             torch.save(model.eval()(pixel_values=torch.load({str(tmp_path / 'pixels.pt')!r})).last_hidden_state,
                        {str(tmp_path / 'remote.pt')!r})
         """
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["HF_HUB_OFFLINE"] = "1"
+    env = child_env()
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=tmp_path, env=env,
                             stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
