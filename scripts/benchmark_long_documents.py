@@ -22,7 +22,9 @@ steps then linear decay, batch 32, 8 epochs, dropout 0.1 on hidden states. Varia
 * ``performer`` (performer-pytorch ``SelfAttention``, int(d ln d) random features), ``nystrom``
   (nystrom-attention ``NystromAttention``, 256 landmarks, 6 pseudo-inverse iterations, residual convolution 33) and
   ``linformer`` (linformer ``LinformerSelfAttention``, k = 256; it cannot mask padding, so it sees the padded bytes):
-  the libraries' defaults, in place of BERT's attention block with the same residual, dropout and LayerNorm.
+  the libraries' defaults, in place of BERT's attention block with the same residual, dropout and LayerNorm;
+* ``no-attention`` (timing phase only): every attention block the identity, so its time and memory are those of the
+  rest of the network, and sdpa's peak over its peak is the most that any attention variant could save.
 
 Measured per run (one fresh one-thread process per run, two side by side by default): validation and test accuracy
 and macro-F1, training wall time (the training loop alone), median time of a training step, and peak memory above
@@ -68,7 +70,10 @@ RUNS_CSV, SUMMARY_CSV, TARGETS_CSV = "long_documents.csv", "long_documents_summa
 TIMING_CSV, PNG = "long_documents_timing.csv", "long_documents.png"
 TRAINED = ("sdpa", "primal", "primal-last", "performer", "nystrom", "linformer")
 PEERS = ("performer", "nystrom", "linformer")
-TIMED = ("sdpa", "sdpa-dropout", "eager") + TRAINED[1:]
+# The same network with every attention block the identity: what the rest of the model costs, so the most any
+# attention variant can save against sdpa (timing phase only, never trained).
+NO_ATTENTION = "no-attention"
+TIMED = ("sdpa", "sdpa-dropout", "eager") + TRAINED[1:] + (NO_ATTENTION,)
 PRIMAL = {"primal": {"layers": "all", "low_rank": 20, "eta": 0.05},
           "primal-last": {"layers": [-1], "low_rank": 30, "eta": 0.1}}
 PAD, VOCAB = 0, 257  # byte b is token b + 1
@@ -129,6 +134,13 @@ def load_data(args: argparse.Namespace, n: int) -> dict[str, tuple[torch.Tensor,
 
 
 # ---------------------------------------------------------------------------------------------- models
+class IdentityAttention(torch.nn.Module):
+    """In place of BertAttention: the hidden states pass through unchanged (no token sees another)."""
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        return hidden_states, None
+
+
 class PeerAttention(torch.nn.Module):
     """A packaged attention layer in place of BertAttention: LayerNorm(x + dropout(attention(x)))."""
 
@@ -192,6 +204,9 @@ class DocumentClassifier(torch.nn.Module):
             for layer in self.encoder.encoder.layer:
                 layer.attention = PeerAttention(variant, config, n, args)
                 self.peers.append(layer.attention)
+        elif variant == NO_ATTENTION:
+            for layer in self.encoder.encoder.layer:
+                layer.attention = IdentityAttention()
         self.head = torch.nn.Linear(config.hidden_size, len(bbc_news.TOPICS))
         self.eta = PRIMAL[variant]["eta"] if variant in PRIMAL else 0.0
         if variant in PRIMAL and not hf_primal.primal_layers(self.encoder):
@@ -224,6 +239,8 @@ def settings_text(variant: str, args: argparse.Namespace) -> str:
         return f"num_landmarks={args.landmarks}, pinv_iterations=6, residual conv 33 (defaults)"
     if variant == "linformer":
         return f"k={args.linformer_k} (default), sees padding"
+    if variant == NO_ATTENTION:
+        return "every attention block the identity: the cost of the rest of the network"
     return "attention-probability dropout " + ("0.1" if variant == "sdpa-dropout" else "0")
 
 
@@ -482,6 +499,10 @@ def targets(summary: list[dict], timing: list[dict] = ()) -> list[dict[str, Any]
             value = timed[(n, "primal")].get(field)
             add(f"N={n} primal {label}, timing phase", None if value in (None, "") else float(value), ">=",
                 float(first[field]) if n != timed_lengths[0] else bound)
+        floor = timed.get((n, NO_ATTENTION))
+        if floor and floor.get("memory_ratio_vs_sdpa") not in (None, ""):
+            add(f"N={n} peak memory ratio sdpa / {NO_ATTENTION} (the most any attention can save), timing phase",
+                float(floor["memory_ratio_vs_sdpa"]), ">=", 4.0)
     return out
 
 
