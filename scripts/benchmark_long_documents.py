@@ -84,6 +84,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--lengths", default="2048,4096", help="document lengths N in bytes (the first is the main table)")
     p.add_argument("--seeds", default="0,1,2", help="seeds of the main table")
     p.add_argument("--long-seeds", default="0", help="seeds at the other lengths")
+    p.add_argument("--variants", default=",".join(TRAINED + ("eager", "sdpa-dropout")),
+                   help="the runs to make, comma-separated (a part of the table at a time: a rerun resumes)")
     p.add_argument("--epochs", type=float, default=8.0)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--learning-rate", type=float, default=1e-3)
@@ -112,6 +114,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args.lengths = [int(n) for n in args.lengths.split(",")]
     args.seeds = [int(s) for s in args.seeds.split(",")]
     args.long_seeds = [int(s) for s in args.long_seeds.split(",")]
+    args.variants = [v.strip() for v in args.variants.split(",")]
+    allowed = TRAINED + ("eager", "sdpa-dropout")
+    unknown = [v for v in args.variants if v not in allowed]
+    if unknown:
+        p.error(f"--variants {','.join(unknown)}: not a variant; choose from {', '.join(allowed)}")
     args.device, args.dtype = _device.resolve(args)
     return args
 
@@ -376,7 +383,8 @@ def jobs(args: argparse.Namespace) -> list[tuple[str, int, int]]:
     out += [("eager", main, args.seeds[0]), ("sdpa-dropout", main, args.seeds[0])]
     out += [(v, n, s) for n in others for s in args.long_seeds for v in TRAINED]
     out += [("eager", n, args.long_seeds[0]) for n in others]
-    return out
+    chosen = set(getattr(args, "variants", None) or TRAINED + ("eager", "sdpa-dropout"))
+    return [job for job in out if job[0] in chosen]
 
 
 def _key(row: dict) -> tuple[str, str, str]:

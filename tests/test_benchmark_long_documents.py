@@ -222,3 +222,11 @@ def test_targets_bound_what_any_attention_can_save_by_the_network_without_attent
     rows = {r["name"]: r for r in bench.targets([], timing)}
     floor = rows[f"N=64 peak memory ratio sdpa / {bench.NO_ATTENTION} (the most any attention can save), timing phase"]
     assert (floor["value"], floor["target"], floor["met"]) == (3.9, ">= 4", False)
+
+
+def test_variants_choose_a_part_of_the_table_and_unknown_ones_are_named():
+    args = bench.parse_args(["--variants", "primal,sdpa", "--lengths", "2048,4096"])
+    assert bench.jobs(args) == [("sdpa", 2048, 0), ("primal", 2048, 0), ("sdpa", 2048, 1), ("primal", 2048, 1),
+                                ("sdpa", 2048, 2), ("primal", 2048, 2), ("sdpa", 4096, 0), ("primal", 4096, 0)]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--variants", "primal,flash"])
