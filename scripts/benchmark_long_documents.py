@@ -41,6 +41,7 @@ memory of one training step above the pre-model baseline, in a fresh process per
     pip install -e ".[bench]"
     python scripts/benchmark_long_documents.py                 # everything (two one-thread workers, about 2 h)
     python scripts/benchmark_long_documents.py --only timing   # speed and memory alone (minutes on CPU)
+    python scripts/benchmark_long_documents.py --only train --variants sdpa,primal   # a part of the table; resumes
     python scripts/benchmark_long_documents.py --only report   # summary and plot from the CSVs
     python scripts/benchmark_long_documents.py --quick --out-dir /tmp/long   # smoke run (what the test executes)
 """

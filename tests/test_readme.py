@@ -213,8 +213,8 @@ def headline_rows(results) -> list[str]:
     for task in ("sentences", "headlines"):
         stock = _by(summary, task=task, variant="stock")[0]
         plain = _by(summary, task=task, variant="plain")[0]
-        for k in (1, 3):
-            recipe = _by(summary, task=task, variant="recipe", selection="auto", k=k)
+        for k in (1, 3, 6):  # every layer: the one selection there is
+            recipe = _by(summary, task=task, variant="recipe", selection="auto" if k < 6 else "last", k=k)
             if recipe:
                 seeds = f"{recipe[0]['seeds']} seed{'s' if int(recipe[0]['seeds']) > 1 else ''}"
                 rows.append(f"| all-MiniLM-L6-v2, {k} of 6 layers primal, BBC News {task}, 400 labels | "
