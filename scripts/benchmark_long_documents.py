@@ -71,6 +71,7 @@ RUNS_CSV, SUMMARY_CSV, TARGETS_CSV = "long_documents.csv", "long_documents_summa
 TIMING_CSV, PNG = "long_documents_timing.csv", "long_documents.png"
 TRAINED = ("sdpa", "primal", "primal-last", "performer", "nystrom", "linformer")
 PEERS = ("performer", "nystrom", "linformer")
+RUNS = TRAINED + ("eager", "sdpa-dropout")  # what --variants chooses from: the trained ones and the two timed runs
 # The same network with every attention block the identity: what the rest of the model costs, so the most any
 # attention variant can save against sdpa (timing phase only, never trained).
 NO_ATTENTION = "no-attention"
@@ -85,7 +86,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--lengths", default="2048,4096", help="document lengths N in bytes (the first is the main table)")
     p.add_argument("--seeds", default="0,1,2", help="seeds of the main table")
     p.add_argument("--long-seeds", default="0", help="seeds at the other lengths")
-    p.add_argument("--variants", default=",".join(TRAINED + ("eager", "sdpa-dropout")),
+    p.add_argument("--variants", default=",".join(RUNS),
                    help="the runs to make, comma-separated (a part of the table at a time: a rerun resumes)")
     p.add_argument("--epochs", type=float, default=8.0)
     p.add_argument("--batch-size", type=int, default=32)
@@ -116,10 +117,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args.seeds = [int(s) for s in args.seeds.split(",")]
     args.long_seeds = [int(s) for s in args.long_seeds.split(",")]
     args.variants = [v.strip() for v in args.variants.split(",")]
-    allowed = TRAINED + ("eager", "sdpa-dropout")
-    unknown = [v for v in args.variants if v not in allowed]
+    unknown = [v for v in args.variants if v not in RUNS]
     if unknown:
-        p.error(f"--variants {','.join(unknown)}: not a variant; choose from {', '.join(allowed)}")
+        p.error(f"--variants {','.join(unknown)}: not a variant; choose from {', '.join(RUNS)}")
     args.device, args.dtype = _device.resolve(args)
     return args
 
@@ -384,7 +384,7 @@ def jobs(args: argparse.Namespace) -> list[tuple[str, int, int]]:
     out += [("eager", main, args.seeds[0]), ("sdpa-dropout", main, args.seeds[0])]
     out += [(v, n, s) for n in others for s in args.long_seeds for v in TRAINED]
     out += [("eager", n, args.long_seeds[0]) for n in others]
-    chosen = set(getattr(args, "variants", None) or TRAINED + ("eager", "sdpa-dropout"))
+    chosen = set(getattr(args, "variants", None) or RUNS)
     return [job for job in out if job[0] in chosen]
 
 

@@ -23,7 +23,6 @@ def test_slow_table_names_an_existing_test(entry):
         assert re.search(rf"^def {re.escape(test)}\(", path.read_text(encoding="utf-8"), re.MULTILINE), entry
 
 
-
 def test_a_child_process_computes_with_this_process_thread_count():
     # Bit-for-bit comparisons between this process and a child (saved folders, remote code) hold only when both split
     # their kernels over the same number of threads, whatever an earlier test set.

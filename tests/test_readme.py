@@ -16,10 +16,6 @@ BLOCKS = re.findall(r"```(python|bash)\n(.*?)```", README, flags=re.S)
 _SKIP = ("pip install", "hf-primal demo", "benchmark")
 
 
-def _env():
-    return child_env()
-
-
 def test_readme_has_the_blocks_we_expect():
     python = [code for kind, code in BLOCKS if kind == "python"]
     assert len(python) >= 3 and any('layers="auto"' in code for code in python)
@@ -30,8 +26,8 @@ def test_python_blocks_run_as_pasted(tmp_path):
     code = "\n\n".join(code for kind, code in BLOCKS if kind == "python")
     script = tmp_path / "readme_blocks.py"
     script.write_text(code, encoding="utf-8")
-    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=_env(), capture_output=True, text=True,
-                            timeout=900)
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=child_env(), capture_output=True,
+                            text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert (tmp_path / "primal-minilm" / "config.json").exists()
     assert (tmp_path / "primal-minilm-encoder" / "config.json").exists()
@@ -44,7 +40,7 @@ def test_shell_blocks_run_as_pasted(tmp_path):
     assert len(blocks) >= 2
     (tmp_path / "scripts").symlink_to(ROOT / "scripts")  # the blocks run from a clone's root
     for code in blocks:
-        result = subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=tmp_path, env=_env(),
+        result = subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=tmp_path, env=child_env(),
                                 capture_output=True, text=True, timeout=900)
         assert result.returncode == 0, code + "\n" + result.stdout[-2000:] + result.stderr[-4000:]
     assert (tmp_path / "primal-minilm-cli" / "model.safetensors").exists()
@@ -106,7 +102,7 @@ def test_every_python_block_of_the_docs_runs_as_pasted(tmp_path):
             continue
         script = tmp_path / f"{doc.stem}_blocks.py"
         script.write_text("\n\n".join(blocks), encoding="utf-8")
-        result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=_env(), capture_output=True,
+        result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=child_env(), capture_output=True,
                                 text=True, timeout=900)
         assert result.returncode == 0, doc.name + "\n" + result.stdout[-2000:] + result.stderr[-4000:]
         ran += 1
