@@ -69,13 +69,13 @@ import bbc_news  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 RUNS_CSV, SUMMARY_CSV, TARGETS_CSV = "long_documents.csv", "long_documents_summary.csv", "long_documents_targets.csv"
 TIMING_CSV, PNG = "long_documents_timing.csv", "long_documents.png"
-TRAINED = ("sdpa", "primal", "primal-last", "performer", "nystrom", "linformer")
+# The same network with every attention block the identity: the floor a mixing layer must beat (trained), and what
+# the rest of the model costs, so the most any attention variant can save against sdpa (timing phase).
+NO_ATTENTION = "no-attention"
+TRAINED = ("sdpa", "primal", "primal-last", NO_ATTENTION, "performer", "nystrom", "linformer")
 PEERS = ("performer", "nystrom", "linformer")
 RUNS = TRAINED + ("eager", "sdpa-dropout")  # what --variants chooses from: the trained ones and the two timed runs
-# The same network with every attention block the identity: what the rest of the model costs, so the most any
-# attention variant can save against sdpa (timing phase only, never trained).
-NO_ATTENTION = "no-attention"
-TIMED = ("sdpa", "sdpa-dropout", "eager") + TRAINED[1:] + (NO_ATTENTION,)
+TIMED = ("sdpa", "sdpa-dropout", "eager") + TRAINED[1:]
 PRIMAL = {"primal": {"layers": "all", "low_rank": 20, "eta": 0.05},
           "primal-last": {"layers": [-1], "low_rank": 30, "eta": 0.1}}
 PAD, VOCAB = 0, 257  # byte b is token b + 1
@@ -92,7 +92,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--learning-rate", type=float, default=1e-3)
     p.add_argument("--warmup", type=float, default=0.1, help="fraction of the steps with a linear warm-up")
+    p.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon (the paper's LRA recipe: 1e-6)")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    p.add_argument("--train-fraction", type=float, default=1.0,
+                   help="share of the training articles used (stratified by topic); the step count stays that of "
+                        "the whole training split, so a data-size curve compares equal budgets")
     p.add_argument("--rank-multi", type=int, default=10, help="m of the primal variants (p = m s)")
+    p.add_argument("--sampling", default=None,
+                   help="sampling rule of the primal variants (PrimalAttentionConfig.sampling; default: its default)")
     p.add_argument("--ksvd-reduction", choices=("batch", "sequence"), default="batch")
     p.add_argument("--eager-steps", type=int, default=4, help="timed training steps of eager attention")
     p.add_argument("--eager-limit-gib", type=float, default=8.0, help="skip eager where it would need more")
@@ -193,6 +200,8 @@ def encoder_config(variant: str, n: int, args: argparse.Namespace):
     if variant in PRIMAL:
         config.primal_attention = {**PRIMAL[variant], "rank_multi": args.rank_multi,
                                    "ksvd_reduction": args.ksvd_reduction}
+        if getattr(args, "sampling", None):
+            config.primal_attention["sampling"] = args.sampling
     return config
 
 
@@ -238,9 +247,12 @@ class DocumentClassifier(torch.nn.Module):
 
 def settings_text(variant: str, args: argparse.Namespace) -> str:
     if variant in PRIMAL:
+        from hf_primal import PrimalAttentionConfig
+
         cfg = PRIMAL[variant]
+        rule = getattr(args, "sampling", None) or PrimalAttentionConfig().sampling
         return (f"layers={cfg['layers']}, s={cfg['low_rank']}, m={args.rank_multi}, eta={cfg['eta']}, "
-                f"ksvd_reduction={args.ksvd_reduction}")
+                f"ksvd_reduction={args.ksvd_reduction}, sampling={rule}")
     if variant == "performer":
         return "nb_features=int(d ln d)=110 (default), softmax kernel"
     if variant == "nystrom":
@@ -312,18 +324,37 @@ def _setup(args: argparse.Namespace) -> None:
     base._fix_malloc()
 
 
+def subset(split: tuple[torch.Tensor, ...], fraction: float) -> tuple[torch.Tensor, ...]:
+    """The first `fraction` of each topic's articles in a fixed shuffled order (the same for every run and seed), so
+    a smaller subset is part of every larger one."""
+    if fraction >= 1.0:
+        return split
+    labels = split[-1]
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(1234))
+    keep = []
+    for label in labels.unique().tolist():
+        rows = order[labels[order] == label]
+        keep.append(rows[: max(1, round(fraction * len(rows)))])
+    index = torch.cat(keep).sort().values
+    return tuple(t[index] for t in split)
+
+
 def train_job(args: argparse.Namespace, variant: str, n: int, seed: int) -> dict[str, Any]:
-    """Train `variant` from scratch at length `n` with `seed`; its row of the CSV."""
+    """Train `variant` from scratch at length `n` with `seed`; its row of the CSV (with the training accuracy in eval
+    mode and the validation accuracy after every epoch, `val_curve`, as "step:accuracy" pairs)."""
     _setup(args)
     data = load_data(args, n)
-    train = data["train"]
-    steps_per_epoch = -(-len(train[0]) // args.batch_size)
+    steps_per_epoch = -(-len(data["train"][0]) // args.batch_size)
     total = max(1, round(args.epochs * steps_per_epoch))
+    train = subset(data["train"], getattr(args, "train_fraction", 1.0))
     warmup = max(1, int(args.warmup * total))
+    curve: list[str] = []
     with _memory_start(args.device) as memory:
         torch.manual_seed(seed)
         model = DocumentClassifier(variant, n, args).to(args.device).train()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate,
+                                      weight_decay=getattr(args, "weight_decay", 0.0),
+                                      eps=getattr(args, "adam_eps", 1e-8))
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda i: (i + 1) / warmup if i < warmup else max(0.0, (total - i) / max(1, total - warmup)))
         order = torch.Generator().manual_seed(seed)
@@ -337,13 +368,19 @@ def train_job(args: argparse.Namespace, variant: str, n: int, seed: int) -> dict
                 index = permutation[i:i + args.batch_size]
                 times.append(_step(model, optimizer, [t[index] for t in train], args))
                 schedule.step()
+                if len(times) % steps_per_epoch == 0 or len(times) == total:
+                    pause = time.perf_counter()
+                    curve.append(f"{len(times)}:{evaluate(model, data['validation'], args)[0]:.4f}")
+                    started += time.perf_counter() - pause  # the curve is not training time
         seconds = time.perf_counter() - started
+    train_accuracy, _ = evaluate(model, train, args)
     val_accuracy, val_f1 = evaluate(model, data["validation"], args)
     accuracy, f1 = evaluate(model, data["test"], args)
     return {"n": n, "variant": variant, "seed": seed, "status": "ok", "epochs": args.epochs, "steps": total,
             "batch": args.batch_size, "train_seconds": round(seconds, 2),
             "step_ms_median": round(1e3 * statistics.median(times), 2), "peak_mib": round(memory["peak_mib"], 1),
-            "val_accuracy": val_accuracy, "val_macro_f1": val_f1, "accuracy": accuracy, "macro_f1": f1,
+            "train_accuracy": train_accuracy, "val_accuracy": val_accuracy, "val_macro_f1": val_f1,
+            "accuracy": accuracy, "macro_f1": f1, "val_curve": " ".join(curve),
             "load1": round(os.getloadavg()[0], 2), "device": args.device, "dtype": args.dtype,
             "threads": args.threads, "settings": settings_text(variant, args)}
 

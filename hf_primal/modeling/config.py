@@ -15,9 +15,9 @@ from typing import Any, Union
 LayersSpec = Union[str, list[int]]
 
 _REDUCTIONS = ("sequence", "batch")
-# How encoders spread p sampled slots over a sequence of L < p valid tokens (docs/method.md, "Sampling"). A stored
-# primal_attention without the field was written before "even" existed and keeps the rule it was trained with.
-SAMPLING_RULES = ("even", "legacy")
+# What fills the p slots of an encoder layer (docs/method.md, "Sampling"). A stored primal_attention without the
+# field was written before "even" existed and keeps the rule it was trained with.
+SAMPLING_RULES = ("even", "legacy", "segment_mean", "jitter")
 SAMPLING_WHEN_NOT_SAVED = "legacy"
 _DEFAULT_CROP_WINDOW = 64  # hf_primal.modeling.cache_layers.DEFAULT_CROP_WINDOW
 

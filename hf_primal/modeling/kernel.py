@@ -13,7 +13,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from .sampling import _sample_tokens
+from .sampling import _sample_tokens, accumulator_dtype
 
 NORM_EPS = 1e-12
 
@@ -30,18 +30,13 @@ def segment_starts(segments: torch.Tensor) -> torch.Tensor:
     return torch.where(change, positions, torch.zeros_like(positions)).cummax(dim=1).values
 
 
-def _accumulator_dtype(device: torch.device) -> torch.dtype:
-    # MPS has no float64; elsewhere float64 keeps "total - total at the segment start" exact to fp32 precision.
-    return torch.float32 if device.type == "mps" else torch.float64
-
-
 def _segmented_cumsum(v: torch.Tensor, starts: torch.Tensor, dim: int) -> torch.Tensor:
     """Inclusive cumulative sum along `dim` that restarts at every segment start (float64 where supported).
 
     `starts` is `segment_starts(...)`, (B, L), broadcast over the other axes of `v`; subtracting the exclusive
     sum at the segment start keeps this a single cumsum + gather, without a loop over segments.
     """
-    acc = _accumulator_dtype(v.device)
+    acc = accumulator_dtype(v.device)
     total = torch.cumsum(v, dim=dim, dtype=acc)
     exclusive = total - v.to(acc)
     shape = [1] * v.dim()

@@ -252,7 +252,7 @@ class PrimalCore(nn.Module):
                 f"Primal-Attention splits the layer input into heads and needs hidden_size == num_heads * head_dim; "
                 f"got hidden_size={x.shape[-1]}, num_heads={heads}, head_dim={dim}."
             )
-        we_x, wr_x = sampled_weights(x, valid, self.We, self.Wr, self.sampling, q.dtype)
+        we_x, wr_x = sampled_weights(x, valid, self.We, self.Wr, self.sampling, q.dtype, self.training)
         return self._finish(q, k, we_x, wr_x, NORM_EPS, valid)
 
     def causal_forward(

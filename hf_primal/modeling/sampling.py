@@ -1,7 +1,8 @@
 """Which tokens a non-causal primal layer samples, and the weights W_{e|X}, W_{r|X} built from them (plain torch).
 
-docs/method.md, "Sampling" and "Non-causal layer" step 3: p tokens spread evenly over the *valid* tokens of each
-sequence, so left and right padding give the same tokens.
+docs/method.md, "Sampling" and "Non-causal layer" step 3: p slots spread evenly over the *valid* tokens of each
+sequence, so left and right padding give the same rows. A slot holds one token (rules ``"even"``, ``"legacy"``,
+``"jitter"``) or the mean of the tokens of its interval (``"segment_mean"``).
 """
 
 from __future__ import annotations
@@ -10,7 +11,36 @@ from typing import Optional
 
 import torch
 
-SAMPLING_RULES = ("even", "legacy")
+from .config import SAMPLING_RULES
+
+
+def accumulator_dtype(device: torch.device) -> torch.dtype:
+    """The dtype of long running sums: float64 where the device has it (MPS has not), so that differences of
+    prefix sums keep fp32 precision however long the sequence."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def _interval_bounds(lengths: torch.Tensor, num_samples: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ranks [start_j, end_j) of the interval of slot j: (B, 1) lengths -> 2 x (B, p).
+
+    start_j = floor(j L / p), end_j = max(floor((j + 1) L / p), start_j + 1). For L >= p the p intervals partition
+    the L valid tokens into runs of floor(L/p) or ceil(L/p); for L < p each interval is the one token of rank
+    start_j, which is where the ``"even"`` rule puts slot j.
+    """
+    j = torch.arange(num_samples, device=lengths.device)
+    start = (j * lengths) // num_samples
+    end = torch.maximum(((j + 1) * lengths) // num_samples, start + 1)
+    return start, end
+
+
+def single_token_rule(rule: str, training: bool) -> str:
+    """The one-token rule a layer with sampling `rule` follows where its intervals hold at most one token (inputs
+    shorter than p) or, for ``"jitter"``, at inference."""
+    if rule not in SAMPLING_RULES:
+        raise ValueError(f"sampling rule {rule!r} is not allowed: use one of {list(SAMPLING_RULES)}.")
+    if rule == "legacy" or (rule == "jitter" and training):
+        return rule
+    return "even"
 
 
 def _sample_ranks(lengths: torch.Tensor, num_samples: int, rule: str) -> torch.Tensor:
@@ -19,11 +49,16 @@ def _sample_ranks(lengths: torch.Tensor, num_samples: int, rule: str) -> torch.T
     docs/method.md, "Sampling". L >= p (both rules): slot j holds rank floor(j (L - 1) / (p - 1)), p evenly spaced
     tokens from the first to the last. L < p: ``"even"`` gives slot j rank floor(j L / p), so token r holds slots
     ceil(r p / L) .. ceil((r + 1) p / L) - 1, i.e. floor(p/L) or ceil(p/L) slots each; ``"legacy"`` (hf_primal 0.1)
-    keeps the L >= p formula, which gives the last token one slot and every other about p / L. Integer arithmetic
-    keeps the rule exact and identical on every device.
+    keeps the L >= p formula, which gives the last token one slot and every other about p / L. ``"jitter"`` (the
+    training-time draw of that rule) gives slot j a uniformly drawn rank of its interval (`_interval_bounds`; for
+    L < p that is the ``"even"`` rank). Integer arithmetic keeps the rules exact and identical on every device.
     """
-    if rule not in SAMPLING_RULES:
-        raise ValueError(f"sampling rule {rule!r} is not allowed: use one of {list(SAMPLING_RULES)}.")
+    if rule not in ("even", "legacy", "jitter"):
+        raise ValueError(f"single-token sampling rule {rule!r} is not allowed: use one of ['even', 'legacy', 'jitter'].")
+    if rule == "jitter":
+        start, end = _interval_bounds(lengths, num_samples)
+        draw = torch.rand(start.shape, device=lengths.device)
+        return torch.minimum(start + (draw * (end - start)).long(), end - 1)
     if num_samples == 1:
         return torch.zeros_like(lengths)
     j = torch.arange(num_samples, device=lengths.device)
@@ -42,7 +77,7 @@ def sample_token_indices(valid: torch.Tensor, num_samples: int, rule: str = "eve
     Args:
         valid: (B, N) bool, True at real tokens.
         num_samples: p >= 1.
-        rule: ``"even"`` or ``"legacy"`` (`PrimalAttentionConfig.sampling`).
+        rule: ``"even"``, ``"legacy"`` or ``"jitter"`` (a fresh draw per call; see `single_token_rule`).
     Returns:
         (B, p) int64 positions into the N axis (0 where a sequence has no valid token).
     """
@@ -60,16 +95,50 @@ def _even_positions(length: int, num_samples: int, device: torch.device, rule: s
     return _sample_ranks(lengths, num_samples, rule)[0]
 
 
-def _sample_tokens(
-    x: torch.Tensor, valid: Optional[torch.Tensor], num_samples: int, rule: str = "even"
-) -> torch.Tensor:
-    """(B, N, C) -> (B, p, C) sampled rows of the layer input."""
-    length = x.shape[1]
+def segment_means(x: torch.Tensor, valid: Optional[torch.Tensor], num_samples: int) -> torch.Tensor:
+    """(B, N, C) -> (B, p, C): row j is the mean of the valid tokens of ranks [start_j, end_j) (`_interval_bounds`).
+
+    Differences of one running sum over the valid tokens (float64 where available), so the cost is one pass over N
+    whatever p is; the rows are in the dtype of `x`.
+    """
+    batch, length, width = x.shape
+    acc = accumulator_dtype(x.device)
     if valid is None:
-        if num_samples == length:  # every token, in order (e.g. ViT with p = N): no copy, no scatter in backward
-            return x
+        lengths = torch.full((1, 1), length, dtype=torch.long, device=x.device)
+        summed = x
+    else:
+        lengths = valid.sum(dim=1, keepdim=True)
+        summed = x.masked_fill(~valid[:, :, None], 0.0)
+    start, end = _interval_bounds(lengths, num_samples)
+    running = torch.cat([summed.new_zeros(batch, 1, width, dtype=acc), summed.cumsum(dim=1, dtype=acc)], dim=1)
+    if valid is None:  # position == rank
+        upper, lower = running.index_select(1, end[0]), running.index_select(1, start[0])
+    else:
+        # Prefix sum before the token of rank r = running sum at that token's position (zeroed padding adds nothing).
+        counts = valid.long().cumsum(dim=1)
+        at = lambda ranks: torch.searchsorted(counts, ranks + 1).clamp(max=length)  # noqa: E731
+        upper = torch.gather(running, 1, at(end - 1)[:, :, None].add(1).clamp(max=length).expand(-1, -1, width))
+        lower = torch.gather(running, 1, at(start)[:, :, None].expand(-1, -1, width))
+    size = (torch.minimum(end, lengths.clamp(min=1)) - start).clamp(min=1)
+    return ((upper - lower) / size[:, :, None].to(acc)).to(x.dtype)
+
+
+def _sample_tokens(
+    x: torch.Tensor, valid: Optional[torch.Tensor], num_samples: int, rule: str = "even", training: bool = False
+) -> torch.Tensor:
+    """(B, N, C) -> (B, p, C) sampled rows of the layer input under sampling `rule` (`training` draws ``"jitter"``)."""
+    length = x.shape[1]
+    if valid is None and num_samples == length:
+        # Every token, in order (e.g. ViT with p = N), under every rule: no copy, no scatter in backward.
+        return x
+    if rule == "segment_mean":
+        return segment_means(x, valid, num_samples)
+    rule = single_token_rule(rule, training)
+    if valid is None and rule != "jitter":
         # One index for the whole batch: index_select is cheaper than a per-sequence gather and its backward.
         return x.index_select(1, _even_positions(length, num_samples, x.device, rule))
+    if valid is None:
+        valid = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
     idx = sample_token_indices(valid, num_samples, rule)
     return torch.gather(x, 1, idx[:, :, None].expand(-1, -1, x.shape[-1]))
 
@@ -86,10 +155,12 @@ def sampled_weights(
     wr: torch.Tensor,
     rule: str,
     dtype: torch.dtype,
+    training: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """W_{e|X} = X_s^T W_e and W_{r|X} = X_s^T W_r per sequence and head: (B, N, C) -> 2 x (B, H, d, s) views.
 
-    `we`, `wr` are the layer's (H, p, s) weights, `rule` its sampling rule, `dtype` the dtype of the result.
+    `we`, `wr` are the layer's (H, p, s) weights, `rule` its sampling rule, `dtype` the dtype of the result;
+    `training` draws the ``"jitter"`` rule's positions afresh (at inference it samples as ``"even"``).
 
     One contraction with [W_e | W_r] serves both. When the sequences are shorter than p, sampled tokens repeat:
     summing the weight rows of the slots that hold each token first and contracting over the N tokens instead
@@ -103,6 +174,8 @@ def sampled_weights(
     dim = width // heads
     w = torch.cat([we, wr], dim=-1).to(dtype)  # (H, p, 2s)
     if length < p:
+        # Every sequence is shorter than p: each interval holds one token, so every rule is a one-token rule.
+        rule = single_token_rule(rule, training=False)
         wide = torch.promote_types(dtype, torch.float32)
         rows = w.transpose(0, 1).reshape(p, heads * 2 * s).to(wide)  # slot-major: row j is slot j of every head
         prefix = torch.cat([rows.new_zeros(1, rows.shape[1]), rows.cumsum(dim=0)])  # (p + 1, H * 2s)
@@ -122,7 +195,7 @@ def sampled_weights(
             per_token = (prefix[end] - prefix[start]).to(dtype).view(batch, length, heads, 2 * s)
             both = torch.einsum("bnhd,bnhs->bhds", tokens, per_token)
     else:
-        sampled = _sample_tokens(x, valid, p, rule).reshape(batch, p, heads, dim).to(dtype)
+        sampled = _sample_tokens(x, valid, p, rule, training).reshape(batch, p, heads, dim).to(dtype)
         # Contracting over p keeps the weights (H, p, 2s): no per-sequence copy of W_e, W_r.
         both = torch.einsum("bphd,hps->bhds", sampled, w)  # (B, H, d, 2s)
     return both[..., :s], both[..., s:]

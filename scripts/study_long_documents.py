@@ -1,0 +1,191 @@
+"""What lets a primal layer learn from long documents: the cheap study behind the long-document table's settings.
+
+Every run is one `benchmark_long_documents.train_job` (the same data, model, budget and code as the table) at a short
+length (default N = 512, where no article needs padding), read on the **validation** split: its training accuracy
+(eval mode), its validation curve (after every epoch) and its final validation accuracy. Test accuracy is recorded
+but never read to choose. Three grids:
+
+* ``options``: the primal variants with each sampling rule of ``PrimalAttentionConfig.sampling`` (``even``: the
+  paper's single tokens; ``jitter``: a random token of each interval while training; ``segment_mean``: the mean of
+  each interval), fewer slots (m), and weight decay, against the trained no-attention floor and sdpa;
+* ``lr``: learning rates 1e-4, 3e-4, 1e-3 with the benchmark's warm-up, and the paper's LRA recipe (lr 1e-4, AdamW
+  eps 1e-6, 40% warm-up: 8,000 of 20,000 steps), for sdpa, Primal., Primal.+ and no-attention alike;
+* ``data``: 25 / 50 / 100% of the training articles (stratified; the same number of steps) for the same four.
+
+Outputs in ``--out-dir``: ``long_documents_study.csv`` (one row per run; a rerun resumes) and
+``long_documents_study.png`` (validation accuracy per grid).
+
+    python scripts/study_long_documents.py --grid options
+    python scripts/study_long_documents.py --grid lr,data --sampling segment_mean
+    python scripts/study_long_documents.py --only report
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import multiprocessing as mp
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import benchmark_long_documents as bench  # noqa: E402
+
+STUDY_CSV, STUDY_PNG = "long_documents_study.csv", "long_documents_study.png"
+FOUR = ("sdpa", "primal", "primal-last", bench.NO_ATTENTION)
+PAPER = {"learning_rate": 1e-4, "adam_eps": 1e-6, "warmup": 0.4}
+
+
+def grid(name: str, sampling: str) -> list[tuple[str, str, dict[str, Any]]]:
+    """(setting, variant, overrides of the benchmark's arguments) of every run of one grid."""
+    if name == "options":
+        out = [(f"sampling={rule}", variant, {"sampling": rule})
+               for variant in ("primal", "primal-last") for rule in ("even", "jitter", "segment_mean")]
+        out += [(f"sampling={rule},m={m}", "primal", {"sampling": rule, "rank_multi": m})
+                for rule in ("even", "segment_mean") for m in (1, 3)]
+        out += [(f"sampling={rule},wd=0.1", "primal", {"sampling": rule, "weight_decay": 0.1})
+                for rule in ("even", "segment_mean")]
+        return out + [("baseline", "sdpa", {}), ("baseline", bench.NO_ATTENTION, {})]
+    if name == "lr":
+        out = [(f"lr={lr:g}", v, {"learning_rate": lr, "sampling": sampling}) for lr in (1e-4, 3e-4, 1e-3) for v in FOUR]
+        return out + [("paper-recipe", v, {**PAPER, "sampling": sampling}) for v in FOUR]
+    if name == "data":
+        return [(f"data={frac:g}", v, {"train_fraction": frac, "sampling": sampling})
+                for frac in (0.25, 0.5, 1.0) for v in FOUR]
+    raise ValueError(f"grid {name!r} is not allowed: use options, lr or data")
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--grid", default="options,lr,data", help="comma-separated: options, lr, data")
+    p.add_argument("--length", type=int, default=512)
+    p.add_argument("--seeds", default="0,1")
+    p.add_argument("--sampling", default="even", help="the primal sampling rule of the lr and data grids")
+    p.add_argument("--learning-rate", type=float, default=1e-3, help="the learning rate of the options and data grids")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--only", choices=("train", "report"), default=None)
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny data and budgets")
+    p.add_argument("--out-dir", default=str(bench.RESULTS))
+    args = p.parse_args(argv)
+    args.grid = [g.strip() for g in args.grid.split(",")]
+    args.seeds = [int(s) for s in args.seeds.split(",")]
+    return args
+
+
+def _bench_args(args: argparse.Namespace, overrides: dict[str, Any]) -> argparse.Namespace:
+    base = ["--lengths", str(args.length), "--workers", "1", "--learning-rate", str(args.learning_rate)]
+    out = bench.parse_args(base + (["--quick"] if args.quick else []))
+    if args.quick:
+        out.lengths = [args.length]
+    for key, value in overrides.items():
+        setattr(out, key, value)
+    return out
+
+
+def _run(job: tuple) -> dict[str, Any]:
+    args, grid_name, setting, variant, seed = job
+    row = bench.train_job(_bench_args(args, _overrides(args, grid_name, setting, variant)), variant, args.length, seed)
+    return {"grid": grid_name, "setting": setting, **row}
+
+
+def _overrides(args: argparse.Namespace, grid_name: str, setting: str, variant: str) -> dict[str, Any]:
+    return next(o for s, v, o in grid(grid_name, args.sampling) if s == setting and v == variant)
+
+
+def _key(row: dict) -> tuple[str, ...]:
+    return tuple(str(row[k]) for k in ("grid", "setting", "variant", "n", "seed"))
+
+
+def run(args: argparse.Namespace) -> None:
+    from tqdm.auto import tqdm
+
+    path = Path(args.out_dir) / STUDY_CSV
+    rows = bench.read_rows(path)
+    done = {_key(r) for r in rows}
+    todo = [(args, g, setting, variant, seed) for seed in args.seeds for g in args.grid
+            for setting, variant, _ in grid(g, args.sampling)
+            if (g, setting, variant, str(args.length), str(seed)) not in done]
+    pool = mp.get_context("spawn").Pool(args.workers, maxtasksperchild=1) if args.workers > 1 else None
+    with pool or contextlib.nullcontext(), tqdm(total=len(todo), desc="long-document study") as bar:
+        for row in (pool.imap_unordered(_run, todo) if pool else map(_run, todo)):
+            rows = [r for r in rows if _key(r) != _key(row)] + [row]
+            bench.write_rows(path, rows)
+            bar.update(1)
+            bar.set_postfix_str(f"{row['setting']} {row['variant']} seed {row['seed']}: val {row['val_accuracy']:.3f}")
+
+
+def summarise(rows: list[dict]) -> list[dict[str, Any]]:
+    """Mean over seeds per (grid, setting, variant): train, validation and test accuracy, and the epoch of the best
+    validation accuracy on the mean curve."""
+    groups: dict[tuple[str, str, str, str], list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["grid"], row["setting"], row["variant"], str(row["n"])), []).append(row)
+    out = []
+    for (grid_name, setting, variant, n), runs in groups.items():
+        item: dict[str, Any] = {"grid": grid_name, "setting": setting, "variant": variant, "n": n, "seeds": len(runs)}
+        for field in ("train_accuracy", "val_accuracy", "accuracy"):
+            values = [float(r[field]) for r in runs]
+            item[f"{field}_mean"] = statistics.mean(values)
+            item[f"{field}_std"] = statistics.stdev(values) if len(values) > 1 else 0.0
+        curves = [[float(point.split(":")[1]) for point in r["val_curve"].split()] for r in runs if r.get("val_curve")]
+        if curves and len({len(c) for c in curves}) == 1:
+            mean_curve = [statistics.mean(values) for values in zip(*curves)]
+            item["val_curve_mean"] = " ".join(f"{v:.4f}" for v in mean_curve)
+            item["best_epoch"] = 1 + max(range(len(mean_curve)), key=mean_curve.__getitem__)
+        out.append(item)
+    return out
+
+
+def plot(path: Path, summary: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    grids = [g for g in ("options", "lr", "data") if any(s["grid"] == g for s in summary)]
+    fig, axes = plt.subplots(1, len(grids), figsize=(6.5 * len(grids), 4.6), squeeze=False)
+    for ax, grid_name in zip(axes[0], grids):
+        items = [s for s in summary if s["grid"] == grid_name]
+        labels = [f"{s['variant']}\n{s['setting']}" for s in items]
+        ax.bar(range(len(items)), [100 * s["val_accuracy_mean"] for s in items],
+               yerr=[100 * s["val_accuracy_std"] for s in items], color="tab:blue", alpha=0.7, label="validation")
+        ax.plot(range(len(items)), [100 * s["train_accuracy_mean"] for s in items], "k_", markersize=14,
+                label="training (eval mode)")
+        ax.set_xticks(range(len(items)), labels, rotation=90, fontsize=6)
+        ax.set_ylabel("accuracy (%)")
+        ax.set_title(f"{grid_name} (N = {items[0]['n']}, mean over seeds)", fontsize=9)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(args: argparse.Namespace) -> list[dict[str, Any]]:
+    out = Path(args.out_dir)
+    summary = summarise(bench.read_rows(out / STUDY_CSV))
+    if summary:
+        plot(out / STUDY_PNG, summary)
+    for s in summary:
+        print(f"{s['grid']:<8} {s['setting']:<28} {s['variant']:<13} seeds {s['seeds']}  "
+              f"train {100 * s['train_accuracy_mean']:5.1f}  val {100 * s['val_accuracy_mean']:5.1f} "
+              f"± {100 * s['val_accuracy_std']:.1f}  best epoch {s.get('best_epoch', '-')}")
+    return summary
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+    print(f"long-document study: grids {args.grid}, N = {args.length}, seeds {args.seeds}, {args.workers} workers; "
+          f"load average {'/'.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
+    if args.only in (None, "train"):
+        run(args)
+    report(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
