@@ -50,7 +50,8 @@ def grid(name: str, sampling: str) -> list[tuple[str, str, dict[str, Any]]]:
                 for rule in ("even", "segment_mean")]
         return out + [("baseline", "sdpa", {}), ("baseline", bench.NO_ATTENTION, {})]
     if name == "lr":
-        out = [(f"lr={lr:g}", v, {"learning_rate": lr, "sampling": sampling}) for lr in (1e-4, 3e-4, 1e-3) for v in FOUR]
+        out = [(f"lr={lr:g}", v, {"learning_rate": lr, "sampling": sampling})
+               for lr in (1e-4, 3e-4, 1e-3) for v in FOUR]
         return out + [("paper-recipe", v, {**PAPER, "sampling": sampling}) for v in FOUR]
     if name == "data":
         return [(f"data={frac:g}", v, {"train_fraction": frac, "sampling": sampling})

@@ -54,7 +54,9 @@ def _sample_ranks(lengths: torch.Tensor, num_samples: int, rule: str) -> torch.T
     L < p that is the ``"even"`` rank). Integer arithmetic keeps the rules exact and identical on every device.
     """
     if rule not in ("even", "legacy", "jitter"):
-        raise ValueError(f"single-token sampling rule {rule!r} is not allowed: use one of ['even', 'legacy', 'jitter'].")
+        raise ValueError(
+            f"single-token sampling rule {rule!r} is not allowed: use one of ['even', 'legacy', 'jitter']."
+        )
     if rule == "jitter":
         start, end = _interval_bounds(lengths, num_samples)
         draw = torch.rand(start.shape, device=lengths.device)
