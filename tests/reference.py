@@ -30,9 +30,28 @@ def reference_sample_ranks(L, p, rule="even"):
     return ranks
 
 
+def reference_slot_runs(L, p):
+    """The valid-token ranks each slot averages under the "segment_mean" rule, written from its statement: for L >= p
+    the L tokens are dealt into p consecutive runs in order, run j taking the ranks from floor(j L / p) up to (not
+    including) floor((j + 1) L / p); for L < p slot j holds the one token the "even" rule gives it."""
+    if L < p:
+        return [[rank] for rank in reference_sample_ranks(L, p, "even")]
+    return [list(range((j * L) // p, ((j + 1) * L) // p)) for j in range(p)]
+
+
+def _slot_rows(x_b, positions, p, rule):
+    """(p, C) rows of one sequence's layer input under `rule` (positions: its valid positions, in order)."""
+    L = len(positions)
+    if rule == "segment_mean":
+        return torch.stack([torch.stack([x_b[positions[r]] for r in run]).double().mean(0)
+                            for run in reference_slot_runs(L, p)])
+    return torch.stack([x_b[positions[rank]] for rank in reference_sample_ranks(L, p, rule)]).double()
+
+
 @torch.no_grad()
 def reference_noncausal(x, q, k, valid, We, Wr, head_map_w, head_map_b, rule="even"):
-    """x (B,N,C), q/k (B,H,N,d), valid (B,N) bool, We/Wr (H,p,s) -> y (B,H,N,d), e, r (sampling `rule`)."""
+    """x (B,N,C), q/k (B,H,N,d), valid (B,N) bool, We/Wr (H,p,s) -> y (B,H,N,d), e, r (sampling `rule`; "jitter" is
+    not deterministic in training and samples as "even" in eval mode, so pass "even" for it)."""
     B, H, N, d = q.shape
     p, s = We.shape[1], We.shape[2]
     y = torch.zeros(B, H, N, d, dtype=torch.float64)
@@ -43,9 +62,9 @@ def reference_noncausal(x, q, k, valid, We, Wr, head_map_w, head_map_b, rule="ev
         L = len(positions)
         if L == 0:
             continue
-        idx = [positions[rank] for rank in reference_sample_ranks(L, p, rule)]
+        rows = _slot_rows(x[b], positions, p, rule)  # (p, C)
         for h in range(H):
-            Xs = torch.stack([x[b, i, h * d:(h + 1) * d] for i in idx]).double()  # (p, d)
+            Xs = rows[:, h * d:(h + 1) * d]  # (p, d)
             WeX = Xs.T @ We[h].double()  # (d, s)
             WrX = Xs.T @ Wr[h].double()
             for n in positions:

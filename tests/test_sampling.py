@@ -12,7 +12,12 @@ from hf_primal.modeling.config import saved_config_dict
 from hf_primal.modeling.primal import ksvd_objective
 from hf_primal.modeling.sampling import sample_token_indices
 from tests.conftest import bert_config
-from tests.reference import reference_layer_J, reference_noncausal, reference_sample_ranks
+from tests.reference import (
+    reference_layer_J,
+    reference_noncausal,
+    reference_sample_ranks,
+    reference_slot_runs,
+)
 from tests.test_primal_math import D, H, _core, _qk
 
 
@@ -52,7 +57,8 @@ def test_legacy_rule_is_the_old_one_and_differs_for_short_inputs():
     valid = _padded([4], 6, "right")
     assert sample_token_indices(valid, 10, "legacy").tolist() == [[0, 0, 0, 1, 1, 1, 2, 2, 2, 3]]
     assert sample_token_indices(valid, 10, "even").tolist() == [[0, 0, 0, 1, 1, 2, 2, 2, 3, 3]]
-    with pytest.raises(ValueError, match="sampling rule 'random' is not allowed: use one of \\['even', 'legacy'\\]"):
+    allowed = "\\['even', 'legacy', 'jitter'\\]"
+    with pytest.raises(ValueError, match=f"sampling rule 'random' is not allowed: use one of {allowed}"):
         sample_token_indices(valid, 10, "random")
 
 
@@ -119,3 +125,102 @@ def test_checkpoint_saved_without_the_field_loads_with_the_legacy_rule(tmp_path)
     even = AutoModel.from_pretrained(tmp_path, primal_attention={**spec, "sampling": "even"}).eval()
     with torch.no_grad():
         assert (even(input_ids=ids).last_hidden_state - expected).abs().max() > 1e-4
+
+
+# ------------------------------------------------------------------ segment_mean and jitter
+def test_segment_means_equal_hand_computed_means_under_either_padding():
+    from hf_primal.modeling.sampling import segment_means
+
+    x = torch.arange(7 * 2, dtype=torch.float64).reshape(1, 7, 2) ** 1.5  # 7 distinct tokens, 2 channels
+    # p = 3 over L = 7: runs of ranks [0, 1], [2, 3], [4, 5, 6] (floor(7/3) = 2, floor(14/3) = 4).
+    expected = torch.stack([x[0, 0:2].mean(0), x[0, 2:4].mean(0), x[0, 4:7].mean(0)])[None]
+    assert torch.allclose(segment_means(x, None, 3), expected, atol=1e-12)
+    for side in ("right", "left"):
+        padded = torch.full((1, 10, 2), 1e6, dtype=torch.float64)  # padding that would show in any mean
+        valid = _padded([7], 10, side)
+        padded[valid] = x[0]
+        assert torch.allclose(segment_means(padded, valid, 3), expected, atol=1e-9), side
+    # Fewer tokens than slots: each slot holds the token the even rule gives it (L = 2, p = 3 -> ranks 0, 0, 1).
+    assert torch.equal(segment_means(x[:, :2], None, 3), x[:, [0, 0, 1]])
+
+
+@pytest.mark.parametrize("mask", [None, "right", "left"])
+def test_segment_mean_core_matches_the_reference(mask):
+    batch, length, samples = 3, 17, 5  # lengths 17, 9 >= p and 3 < p
+    core = _core(False, samples)
+    core.sampling = "segment_mean"
+    q, k = _qk(batch, length)
+    x = torch.randn(batch, length, H * D, dtype=torch.float64)
+    valid = None if mask is None else _padded([17, 9, 3], length, mask)
+    y, terms = core.noncausal(q, k, x, valid)
+    full = torch.ones(batch, length, dtype=torch.bool) if valid is None else valid
+    args = (x, q, k, full, core.We, core.Wr, core.head_map.weight, core.head_map.bias)
+    y_ref, e_ref, r_ref = reference_noncausal(*args, rule="segment_mean")
+    assert (y - y_ref).abs().max() < 1e-10
+    assert (y - reference_noncausal(*args, rule="even")[0]).abs().max() > 1e-3  # told apart from single tokens
+    per_seq, _ = reference_layer_J(e_ref, r_ref, full, core.Lambda, core.We, core.Wr)
+    assert torch.allclose(ksvd_objective(terms, "sequence").double(), torch.tensor(per_seq, dtype=torch.float64),
+                          atol=1e-6)
+
+
+def test_jitter_draws_a_token_of_each_interval_while_training_and_samples_evenly_at_inference():
+    lengths, total, p = [40, 23, 6], 44, 8  # 6 < p: every interval holds one token
+    valid = _padded(lengths, total, "left")
+    draws = [sample_token_indices(valid, p, "jitter") for _ in range(30)]
+    for b, length in enumerate(lengths):
+        offset = total - length
+        seen = set()
+        for idx in draws:
+            ranks = (idx[b] - offset).tolist()
+            for j, rank in enumerate(ranks):
+                run = reference_slot_runs(length, p)[j]
+                assert rank in run, (b, j, rank, run)
+            seen.add(tuple(ranks))
+        assert (len(seen) > 1) == (length > p), (b, len(seen))
+    # The layer: training forwards differ from each other; eval forwards equal the "even" rule.
+    core = _core(False, p)
+    core.sampling = "jitter"
+    q, k = _qk(3, total)
+    x = torch.randn(3, total, H * D, dtype=torch.float64)
+    first, _ = core.train().noncausal(q, k, x, valid)
+    second, _ = core.noncausal(q, k, x, valid)
+    assert (first - second).abs().max() > 1e-3
+    at_inference, _ = core.eval().noncausal(q, k, x, valid)
+    core.sampling = "even"
+    even, _ = core.noncausal(q, k, x, valid)
+    assert torch.equal(at_inference, even)
+
+
+@pytest.mark.parametrize("rule", ["segment_mean", "jitter"])
+def test_new_rules_round_trip_through_config_json_and_load_without_the_plugin(tmp_path, rule):
+    import hf_primal
+    from tests.test_cli_and_sharing import run_child
+
+    spec = {"layers": "all", "low_rank": 3, "rank_multi": 2}  # p = 6 < the 11 tokens below: the rules matter
+    model = BertModel(bert_config(primal_attention={**spec, "sampling": rule})).eval()
+    ids = torch.randint(1, 120, (2, 11), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    hf_primal.save_converted(model, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["primal_attention"]["sampling"] == rule
+    loaded = AutoModel.from_pretrained(tmp_path / "out").eval()
+    assert {layer.attention.self.primal.sampling for layer in loaded.encoder.layer} == {rule}
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids, attention_mask=mask).last_hidden_state, expected)
+    even = AutoModel.from_pretrained(tmp_path / "out", primal_attention={**spec, "sampling": "legacy"}).eval()
+    with torch.no_grad():
+        differs = (even(input_ids=ids, attention_mask=mask).last_hidden_state - expected).abs().max()
+    assert (differs > 1e-4) == (rule == "segment_mean")  # jitter samples as "even" at inference; legacy == even here
+    torch.save({"ids": ids, "mask": mask, "expected": expected}, tmp_path / "batch.pt")
+    result = run_child(f"""
+        import sys, torch, transformers
+        assert sys.modules["hf_primal"] is None
+        batch = torch.load({str(tmp_path / 'batch.pt')!r})
+        model = transformers.AutoModel.from_pretrained({str(tmp_path / 'out')!r}, trust_remote_code=True).eval()
+        with torch.no_grad():
+            hidden = model(input_ids=batch["ids"], attention_mask=batch["mask"]).last_hidden_state
+        assert torch.equal(hidden, batch["expected"]), (hidden - batch["expected"]).abs().max()
+        """, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]

@@ -57,10 +57,14 @@ class PrimalAttentionConfig:
         eta: weight of the KSVD regulariser added to the task loss by `PrimalTrainer`.
         ksvd_reduction: ``"sequence"`` (J per sequence, squared, then averaged; the default) or ``"batch"``
             (J over the whole batch, as in the paper's CV/LRA code).
-        sampling: how encoders sample when a sequence has fewer valid tokens L than p slots: ``"even"`` (the
-            default: every valid token gets floor(p/L) or ceil(p/L) slots) or ``"legacy"`` (the rule of hf_primal
-            0.1: the last valid token gets one slot, the others about p/L). Identical when L >= p. Configs saved
-            without the field (hf_primal 0.1) load with ``"legacy"``; see `saved_config_dict`.
+        sampling: what fills the p slots of an encoder layer's W_{e|X} (docs/method.md, "Sampling"). ``"even"``
+            (the paper's rule): p single tokens evenly spaced over the L valid tokens, and for L < p every valid token
+            in floor(p/L) or ceil(p/L) slots. ``"segment_mean"``: the valid tokens cut into p consecutive runs, each
+            slot the mean of its run (for L < p the same as ``"even"``), so every token reaches the weights.
+            ``"jitter"``: while training (``model.train()``) each slot takes a uniformly drawn token of its run, a
+            fresh draw every forward; at inference it samples as ``"even"``. ``"legacy"``: the rule of hf_primal 0.1
+            (for L < p the last valid token gets one slot, the others about p/L). Configs saved without the field
+            (hf_primal 0.1) load with ``"legacy"``; see `saved_config_dict`. Causal layers sample nothing.
         crop_window: ``W``, how many of the latest tokens a causal layer's generation cache can take back
             (``cache.crop``, used by assisted and prompt-lookup decoding). While a cache records its past (transformers
             calls ``activate_past_recording`` for those modes) each causal primal layer keeps the running state after
