@@ -36,25 +36,34 @@ import benchmark_long_documents as bench  # noqa: E402
 
 STUDY_CSV, STUDY_PNG = "long_documents_study.csv", "long_documents_study.png"
 FOUR = ("sdpa", "primal", "primal-last", bench.NO_ATTENTION)
-PAPER = {"learning_rate": 1e-4, "adam_eps": 1e-6, "warmup": 0.4}
+# The benchmark's own recipe; a run's setting names only what it changes, so a run shared by two grids runs once.
+DEFAULTS = {"learning_rate": 1e-3, "adam_eps": 1e-8, "warmup": 0.1, "weight_decay": 0.0, "train_fraction": 1.0,
+            "sampling": "even", "rank_multi": 10}
+PRIMAL_ONLY = ("sampling", "rank_multi")
+PAPER = {"learning_rate": 1e-4, "adam_eps": 1e-6, "warmup": 0.4}  # LRA Text: 8,000 warm-up steps of 20,000
 
 
-def grid(name: str, sampling: str) -> list[tuple[str, str, dict[str, Any]]]:
-    """(setting, variant, overrides of the benchmark's arguments) of every run of one grid."""
+def setting_name(variant: str, overrides: dict[str, Any]) -> str:
+    """The canonical name of a run's setting: the changed fields in a fixed order, or "default"."""
+    changed = {k: v for k, v in overrides.items() if v != DEFAULTS[k] and (variant in bench.PRIMAL or k not in
+                                                                           PRIMAL_ONLY)}
+    return ",".join(f"{k}={changed[k]:g}" if isinstance(changed[k], float) else f"{k}={changed[k]}"
+                    for k in DEFAULTS if k in changed) or "default"
+
+
+def grid(name: str, sampling: str, learning_rate: float = 1e-3) -> list[tuple[str, dict[str, Any]]]:
+    """(variant, overrides of the benchmark's arguments) of every run of one grid."""
     if name == "options":
-        out = [(f"sampling={rule}", variant, {"sampling": rule})
-               for variant in ("primal", "primal-last") for rule in ("even", "jitter", "segment_mean")]
-        out += [(f"sampling={rule},m={m}", "primal", {"sampling": rule, "rank_multi": m})
-                for rule in ("even", "segment_mean") for m in (1, 3)]
-        out += [(f"sampling={rule},wd=0.1", "primal", {"sampling": rule, "weight_decay": 0.1})
-                for rule in ("even", "segment_mean")]
-        return out + [("baseline", "sdpa", {}), ("baseline", bench.NO_ATTENTION, {})]
+        out = [(variant, {"sampling": rule}) for variant in ("primal", "primal-last")
+               for rule in ("even", "jitter", "segment_mean")]
+        out += [("primal", {"sampling": rule, "rank_multi": m}) for rule in ("even", "segment_mean") for m in (1, 3)]
+        out += [("primal", {"sampling": rule, "weight_decay": 0.1}) for rule in ("even", "segment_mean")]
+        return out + [("sdpa", {}), (bench.NO_ATTENTION, {})]
     if name == "lr":
-        out = [(f"lr={lr:g}", v, {"learning_rate": lr, "sampling": sampling})
-               for lr in (1e-4, 3e-4, 1e-3) for v in FOUR]
-        return out + [("paper-recipe", v, {**PAPER, "sampling": sampling}) for v in FOUR]
+        out = [(v, {"learning_rate": lr, "sampling": sampling}) for lr in (1e-4, 3e-4, 1e-3) for v in FOUR]
+        return out + [(v, {**PAPER, "sampling": sampling}) for v in FOUR]
     if name == "data":
-        return [(f"data={frac:g}", v, {"train_fraction": frac, "sampling": sampling})
+        return [(v, {"train_fraction": frac, "sampling": sampling, "learning_rate": learning_rate})
                 for frac in (0.25, 0.5, 1.0) for v in FOUR]
     raise ValueError(f"grid {name!r} is not allowed: use options, lr or data")
 
@@ -65,7 +74,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--length", type=int, default=512)
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--sampling", default="even", help="the primal sampling rule of the lr and data grids")
-    p.add_argument("--learning-rate", type=float, default=1e-3, help="the learning rate of the options and data grids")
+    p.add_argument("--learning-rate", type=float, default=1e-3, help="the learning rate of the data grid")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--only", choices=("train", "report"), default=None)
     p.add_argument("--quick", action="store_true", help="smoke run: tiny data and budgets")
@@ -77,27 +86,35 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def _bench_args(args: argparse.Namespace, overrides: dict[str, Any]) -> argparse.Namespace:
-    base = ["--lengths", str(args.length), "--workers", "1", "--learning-rate", str(args.learning_rate)]
-    out = bench.parse_args(base + (["--quick"] if args.quick else []))
+    out = bench.parse_args(["--lengths", str(args.length), "--workers", "1"] + (["--quick"] if args.quick else []))
     if args.quick:
         out.lengths = [args.length]
-    for key, value in overrides.items():
+    for key, value in {**DEFAULTS, **overrides}.items():
         setattr(out, key, value)
     return out
 
 
 def _run(job: tuple) -> dict[str, Any]:
-    args, grid_name, setting, variant, seed = job
-    row = bench.train_job(_bench_args(args, _overrides(args, grid_name, setting, variant)), variant, args.length, seed)
-    return {"grid": grid_name, "setting": setting, **row}
-
-
-def _overrides(args: argparse.Namespace, grid_name: str, setting: str, variant: str) -> dict[str, Any]:
-    return next(o for s, v, o in grid(grid_name, args.sampling) if s == setting and v == variant)
+    args, variant, overrides, seed = job
+    row = bench.train_job(_bench_args(args, overrides), variant, args.length, seed)
+    return {"setting": setting_name(variant, overrides), **row}
 
 
 def _key(row: dict) -> tuple[str, ...]:
-    return tuple(str(row[k]) for k in ("grid", "setting", "variant", "n", "seed"))
+    return tuple(str(row[k]) for k in ("setting", "variant", "n", "seed"))
+
+
+def planned(args: argparse.Namespace) -> list[tuple[str, dict[str, Any], int]]:
+    """(variant, overrides, seed) of every run the chosen grids need, each once, first seed first."""
+    out, seen = [], set()
+    for seed in args.seeds:
+        for grid_name in args.grid:
+            for variant, overrides in grid(grid_name, args.sampling, args.learning_rate):
+                key = (setting_name(variant, overrides), variant, seed)
+                if key not in seen:
+                    seen.add(key)
+                    out.append((variant, overrides, seed))
+    return out
 
 
 def run(args: argparse.Namespace) -> None:
@@ -106,9 +123,8 @@ def run(args: argparse.Namespace) -> None:
     path = Path(args.out_dir) / STUDY_CSV
     rows = bench.read_rows(path)
     done = {_key(r) for r in rows}
-    todo = [(args, g, setting, variant, seed) for seed in args.seeds for g in args.grid
-            for setting, variant, _ in grid(g, args.sampling)
-            if (g, setting, variant, str(args.length), str(seed)) not in done]
+    todo = [(args, variant, overrides, seed) for variant, overrides, seed in planned(args)
+            if (setting_name(variant, overrides), variant, str(args.length), str(seed)) not in done]
     pool = mp.get_context("spawn").Pool(args.workers, maxtasksperchild=1) if args.workers > 1 else None
     with pool or contextlib.nullcontext(), tqdm(total=len(todo), desc="long-document study") as bar:
         for row in (pool.imap_unordered(_run, todo) if pool else map(_run, todo)):
@@ -118,12 +134,17 @@ def run(args: argparse.Namespace) -> None:
             bar.set_postfix_str(f"{row['setting']} {row['variant']} seed {row['seed']}: val {row['val_accuracy']:.3f}")
 
 
-def summarise(rows: list[dict]) -> list[dict[str, Any]]:
-    """Mean over seeds per (grid, setting, variant): train, validation and test accuracy, and the epoch of the best
-    validation accuracy on the mean curve."""
+def summarise(rows: list[dict], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Mean over seeds per (grid, setting, variant) of the chosen grids: train, validation and test accuracy, and the
+    epoch of the best validation accuracy on the mean curve."""
     groups: dict[tuple[str, str, str, str], list[dict]] = {}
-    for row in rows:
-        groups.setdefault((row["grid"], row["setting"], row["variant"], str(row["n"])), []).append(row)
+    for grid_name in args.grid:
+        for variant, overrides in grid(grid_name, args.sampling, args.learning_rate):
+            setting = setting_name(variant, overrides)
+            runs = [r for r in rows if r["setting"] == setting and r["variant"] == variant
+                    and str(r["n"]) == str(args.length)]
+            if runs:
+                groups[(grid_name, setting, variant, str(args.length))] = runs
     out = []
     for (grid_name, setting, variant, n), runs in groups.items():
         item: dict[str, Any] = {"grid": grid_name, "setting": setting, "variant": variant, "n": n, "seeds": len(runs)}
@@ -140,26 +161,54 @@ def summarise(rows: list[dict]) -> list[dict[str, Any]]:
     return out
 
 
+def _field(setting: str, name: str, default: float) -> float:
+    for part in setting.split(","):
+        key, _, value = part.partition("=")
+        if key == name:
+            return float(value)
+    return default
+
+
 def plot(path: Path, summary: list[dict]) -> None:
+    """Options as bars (validation, with the training accuracy marked); the lr and data grids as curves of
+    validation accuracy against the learning rate and the share of training articles, one line per variant."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     grids = [g for g in ("options", "lr", "data") if any(s["grid"] == g for s in summary)]
-    fig, axes = plt.subplots(1, len(grids), figsize=(6.5 * len(grids), 4.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(grids), figsize=(6.5 * len(grids), 4.8), squeeze=False)
+    colors = {"sdpa": "tab:blue", "primal": "tab:red", "primal-last": "tab:pink", bench.NO_ATTENTION: "tab:gray"}
     for ax, grid_name in zip(axes[0], grids):
         items = [s for s in summary if s["grid"] == grid_name]
-        labels = [f"{s['variant']}\n{s['setting']}" for s in items]
-        ax.bar(range(len(items)), [100 * s["val_accuracy_mean"] for s in items],
-               yerr=[100 * s["val_accuracy_std"] for s in items], color="tab:blue", alpha=0.7, label="validation")
-        ax.plot(range(len(items)), [100 * s["train_accuracy_mean"] for s in items], "k_", markersize=14,
-                label="training (eval mode)")
-        ax.set_xticks(range(len(items)), labels, rotation=90, fontsize=6)
-        ax.set_ylabel("accuracy (%)")
+        if grid_name == "options":
+            ax.bar(range(len(items)), [100 * s["val_accuracy_mean"] for s in items],
+                   yerr=[100 * s["val_accuracy_std"] for s in items],
+                   color=[colors.get(s["variant"], "black") for s in items], alpha=0.7)
+            ax.plot(range(len(items)), [100 * s["train_accuracy_mean"] for s in items], "k_", markersize=14,
+                    label="training accuracy (eval mode)")
+            ax.set_xticks(range(len(items)), [f"{s['variant']}\n{s['setting']}" for s in items], rotation=90,
+                          fontsize=6)
+            ax.legend(fontsize=7)
+        else:
+            field, default, label = (("learning_rate", DEFAULTS["learning_rate"], "learning rate") if grid_name == "lr"
+                                     else ("train_fraction", 1.0, "share of the training articles"))
+            for variant in FOUR:
+                points = sorted((_field(s["setting"], field, default), 100 * s["val_accuracy_mean"])
+                                for s in items if s["variant"] == variant and "adam_eps" not in s["setting"])
+                if points:
+                    ax.plot(*zip(*points), "o-", color=colors[variant], label=variant)
+                paper = [s for s in items if s["variant"] == variant and "adam_eps" in s["setting"]]
+                for s in paper:
+                    ax.plot(PAPER["learning_rate"], 100 * s["val_accuracy_mean"], "*", markersize=11,
+                            color=colors[variant], label=f"{variant}, paper recipe")
+            ax.set_xscale("log")
+            ax.set_xlabel(label)
+            ax.legend(fontsize=6)
+        ax.set_ylabel("validation accuracy (%)")
         ax.set_title(f"{grid_name} (N = {items[0]['n']}, mean over seeds)", fontsize=9)
         ax.grid(True, axis="y", alpha=0.3)
-        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -167,11 +216,11 @@ def plot(path: Path, summary: list[dict]) -> None:
 
 def report(args: argparse.Namespace) -> list[dict[str, Any]]:
     out = Path(args.out_dir)
-    summary = summarise(bench.read_rows(out / STUDY_CSV))
+    summary = summarise(bench.read_rows(out / STUDY_CSV), args)
     if summary:
         plot(out / STUDY_PNG, summary)
     for s in summary:
-        print(f"{s['grid']:<8} {s['setting']:<28} {s['variant']:<13} seeds {s['seeds']}  "
+        print(f"{s['grid']:<8} {s['setting']:<40} {s['variant']:<13} seeds {s['seeds']}  "
               f"train {100 * s['train_accuracy_mean']:5.1f}  val {100 * s['val_accuracy_mean']:5.1f} "
               f"± {100 * s['val_accuracy_std']:.1f}  best epoch {s.get('best_epoch', '-')}")
     return summary
