@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import multiprocessing as mp
 import os
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -75,6 +76,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--sampling", default="even", help="the primal sampling rule of the lr and data grids")
     p.add_argument("--learning-rate", type=float, default=1e-3, help="the learning rate of the data grid")
+    p.add_argument("--match", default=None,
+                   help="run only the runs whose 'variant setting' matches this regular expression")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--only", choices=("train", "report"), default=None)
     p.add_argument("--quick", action="store_true", help="smoke run: tiny data and budgets")
@@ -111,6 +114,8 @@ def planned(args: argparse.Namespace) -> list[tuple[str, dict[str, Any], int]]:
         for grid_name in args.grid:
             for variant, overrides in grid(grid_name, args.sampling, args.learning_rate):
                 key = (setting_name(variant, overrides), variant, seed)
+                if args.match and not re.search(args.match, f"{variant} {key[0]}"):
+                    continue
                 if key not in seen:
                     seen.add(key)
                     out.append((variant, overrides, seed))
