@@ -13,7 +13,8 @@ Hooks, installed once, each a no-op for models whose config does not ask for pri
   ``auto_map``, remote code, model card; `hub.save_shareable`), so that no saved primal model loads as a softmax
   model where hf_primal is not imported; ``push_to_hub`` uploads that folder with its model card;
 * ``PreTrainedConfig.get_config_dict`` lets a stock config class (``BertConfig``, so ``BertModel.from_pretrained``)
-  read such a folder without transformers' model-type warning: with the hooks installed that load is exact;
+  read such a folder without transformers' model-type warning: with the hooks installed that load is exact; and it
+  refuses a primal folder whose config.json lost its ``primal_attention`` entry (`folder_check`);
 * ``conversion_mapping.get_model_conversion_mapping`` (and the modules that imported it by name) leaves out the
   checkpoint renaming rules for value projections a primal model no longer has (`drop_value_renamings`).
 
@@ -28,6 +29,7 @@ from transformers import PreTrainedConfig
 
 from ..modeling import hooks
 from ..modeling.config import PrimalAttentionConfig, saved_config_dict
+from ..modeling.folder_check import check_saved_config
 from ..modeling.shareable import PrimalModelMixin
 from ..models import drop_value_renamings, find_architecture
 from . import compat
@@ -74,6 +76,8 @@ def _install_config_hooks() -> None:
 
     def get_config_dict(cls, *args, **kwargs):
         config_dict, unused = original_get_config_dict(cls, *args, **kwargs)
+        # A primal folder whose config.json lost its entry must not load as softmax attention.
+        check_saved_config(config_dict, args[0] if args else kwargs.get("pretrained_model_name_or_path"), kwargs)
         # A checkpoint saved without `sampling` keeps the rule it was trained with, whichever class reads it.
         config_dict = saved_config_dict(config_dict)
         # "primal_bert" read by BertConfig: same fields, and the hooks rebuild the primal layers from

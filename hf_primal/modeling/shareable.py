@@ -21,12 +21,20 @@ from transformers import GenerationMixin, PreTrainedModel
 
 from .architecture import Architecture, Layout
 from .config import saved_config_dict
+from .folder_check import check_saved_config
 from .hooks import global_hook_installed, init_weights, post_init, prepare_cache
 from .model_card import model_card
 
 
 class PrimalConfigMixin:
-    """Reads a shared folder's config.json with the sampling rule its primal layers were saved with."""
+    """Reads a shared folder's config.json with the sampling rule its primal layers were saved with, and refuses one
+    that lost its ``primal_attention`` entry (`folder_check`)."""
+
+    @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path: Any, **kwargs: Any) -> tuple[dict, dict]:
+        config_dict, unused = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        check_saved_config(config_dict, pretrained_model_name_or_path, kwargs)
+        return config_dict, unused
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs: Any) -> Any:

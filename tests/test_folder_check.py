@@ -1,0 +1,77 @@
+"""A primal folder whose config.json lost its primal_attention entry is refused, with the plugin and through remote
+code alone, with an error naming the folder, the tensors found and the fix; stock folders and the documented fix
+(primal_attention=... passed to from_pretrained) still load."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModel, BertModel
+
+import hf_primal
+from hf_primal.modeling.folder_check import primal_tensor_names
+from tests.conftest import bert_config
+from tests.test_cli_and_sharing import run_child
+
+SPEC = {"layers": [-1], "low_rank": 3}
+
+
+def _saved(tmp_path, drop_entry=True, model_type=None):
+    model = BertModel(bert_config(primal_attention=SPEC)).eval()
+    folder = tmp_path / "out"
+    hf_primal.save_converted(model, folder)
+    config = json.loads((folder / "config.json").read_text())
+    if drop_entry:
+        del config["primal_attention"]
+    if model_type:
+        config["model_type"] = model_type
+        config.pop("auto_map", None)
+    (folder / "config.json").write_text(json.dumps(config))
+    return model, folder
+
+
+def test_primal_tensor_names_lists_exactly_the_primal_core_tensors(tmp_path):
+    model, folder = _saved(tmp_path, drop_entry=False)
+    expected = sorted(n for n, _ in model.named_parameters() if ".primal." in n)
+    assert primal_tensor_names(str(folder)) == expected and len(expected) == 5
+    BertModel(bert_config()).save_pretrained(tmp_path / "stock")
+    assert primal_tensor_names(str(tmp_path / "stock")) == []
+
+
+@pytest.mark.parametrize("model_type", [None, "bert"])  # as saved (primal_bert) and hand-edited to the stock type
+def test_a_folder_without_its_entry_is_refused_with_the_plugin(tmp_path, model_type):
+    model, folder = _saved(tmp_path, model_type=model_type)
+    for load in (BertModel.from_pretrained, AutoModel.from_pretrained):
+        with pytest.raises(ValueError) as error:
+            load(folder)
+        message = str(error.value)
+        assert str(folder) in message and "no 'primal_attention' entry" in message
+        assert "encoder.layer.1.attention.self.primal.Lambda" in message and "5 primal-attention tensors" in message
+        assert '"primal_attention": {"layers": [1], ...}' in message and "pass primal_attention=" in message
+    # The documented fix loads the very model that was saved.
+    restored = BertModel.from_pretrained(folder, primal_attention=SPEC).eval()
+    ids = torch.randint(1, 120, (2, 7))
+    with torch.no_grad():
+        assert torch.equal(restored(input_ids=ids).last_hidden_state, model(input_ids=ids).last_hidden_state)
+
+
+def test_stock_folders_still_load(tmp_path):
+    BertModel(bert_config()).save_pretrained(tmp_path / "stock")
+    assert type(BertModel.from_pretrained(tmp_path / "stock")).__name__ == "BertModel"
+
+
+def test_a_folder_without_its_entry_is_refused_by_the_remote_code_alone(tmp_path):
+    _, folder = _saved(tmp_path)
+    result = run_child(f"""
+        import sys, transformers
+        assert sys.modules["hf_primal"] is None
+        try:
+            transformers.AutoModel.from_pretrained({str(folder)!r}, trust_remote_code=True)
+        except ValueError as error:
+            print("REFUSED", error)
+        else:
+            print("LOADED")
+        """, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "REFUSED" in result.stdout and str(folder) in result.stdout, result.stdout[-2000:]
+    assert "5 primal-attention tensors" in result.stdout and "pass primal_attention=" in result.stdout
