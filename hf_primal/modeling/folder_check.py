@@ -5,7 +5,8 @@ load as a stock model: the primal tensors reported unexpected, the value project
 model that only a load report shows. Both loading paths call `check_saved_config`: the plugin's config hook and the
 shareable config classes (remote code), so the refusal holds with and without hf_primal installed.
 
-Imports only the standard library and safetensors (a transformers dependency): copied as remote code.
+Imports only the standard library (a safetensors file starts with an 8-byte little-endian header length and a JSON
+header naming its tensors): copied as remote code.
 """
 
 from __future__ import annotations
@@ -30,10 +31,9 @@ def primal_tensor_names(folder: str) -> list[str]:
         with open(index, encoding="utf-8") as handle:
             names = list(json.load(handle).get("weight_map", {}))
     elif os.path.isfile(single):
-        from safetensors import safe_open
-
-        with safe_open(single, framework="pt") as handle:
-            names = list(handle.keys())
+        with open(single, "rb") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            names = [n for n in json.loads(handle.read(size)) if n != "__metadata__"]
     return sorted(name for name in names if _PRIMAL_TENSOR.search(name))
 
 
