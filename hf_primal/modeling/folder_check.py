@@ -31,9 +31,12 @@ def primal_tensor_names(folder: str) -> list[str]:
         with open(index, encoding="utf-8") as handle:
             names = list(json.load(handle).get("weight_map", {}))
     elif os.path.isfile(single):
-        with open(single, "rb") as handle:
-            size = int.from_bytes(handle.read(8), "little")
-            names = [n for n in json.loads(handle.read(size)) if n != "__metadata__"]
+        try:
+            with open(single, "rb") as handle:
+                size = int.from_bytes(handle.read(8), "little")
+                names = [n for n in json.loads(handle.read(size)) if n != "__metadata__"]
+        except (OSError, ValueError):  # unreadable or truncated: safetensors itself reports that when loading
+            return []
     return sorted(name for name in names if _PRIMAL_TENSOR.search(name))
 
 
