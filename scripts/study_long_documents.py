@@ -12,7 +12,8 @@ but never read to choose. Three grids:
   eps 1e-6, 40% warm-up: 8,000 of 20,000 steps), for sdpa, Primal., Primal.+ and no-attention alike;
 * ``data``: 25 / 50 / 100% of the training articles (stratified; the same number of steps) for the same four.
 
-Outputs in ``--out-dir``: ``long_documents_study.csv`` (one row per run; a rerun resumes) and
+Outputs in ``--out-dir``: ``long_documents_study.csv`` (one row per run; a rerun resumes),
+``long_documents_study_summary.csv`` (mean and std over seeds per grid, setting and variant) and
 ``long_documents_study.png`` (validation accuracy per grid).
 
     python scripts/study_long_documents.py --grid options
@@ -35,7 +36,8 @@ from typing import Any, Optional
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchmark_long_documents as bench  # noqa: E402
 
-STUDY_CSV, STUDY_PNG = "long_documents_study.csv", "long_documents_study.png"
+STUDY_CSV, STUDY_SUMMARY_CSV, STUDY_PNG = ("long_documents_study.csv", "long_documents_study_summary.csv",
+                                          "long_documents_study.png")
 FOUR = ("sdpa", "primal", "primal-last", bench.NO_ATTENTION)
 # The benchmark's own recipe; a run's setting names only what it changes, so a run shared by two grids runs once.
 DEFAULTS = {"learning_rate": 1e-3, "adam_eps": 1e-8, "warmup": 0.1, "weight_decay": 0.0, "train_fraction": 1.0,
@@ -223,6 +225,7 @@ def report(args: argparse.Namespace) -> list[dict[str, Any]]:
     out = Path(args.out_dir)
     summary = summarise(bench.read_rows(out / STUDY_CSV), args)
     if summary:
+        bench.write_rows(out / STUDY_SUMMARY_CSV, summary)
         plot(out / STUDY_PNG, summary)
     for s in summary:
         print(f"{s['grid']:<8} {s['setting']:<40} {s['variant']:<13} seeds {s['seeds']}  "
