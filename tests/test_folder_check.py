@@ -75,3 +75,40 @@ def test_a_folder_without_its_entry_is_refused_by_the_remote_code_alone(tmp_path
     assert result.returncode == 0, result.stderr[-3000:]
     assert "REFUSED" in result.stdout and str(folder) in result.stdout, result.stdout[-2000:]
     assert "5 primal-attention tensors" in result.stdout and "pass primal_attention=" in result.stdout
+
+
+def test_a_save_that_fails_part_way_leaves_the_previous_folder_as_it_was(tmp_path, monkeypatch):
+    from hf_primal.integration import hub
+
+    first = BertModel(bert_config(primal_attention=SPEC)).eval()
+    folder = tmp_path / "out"
+    hf_primal.save_converted(first, folder)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    second = BertModel(bert_config(primal_attention={"layers": [0, 1], "low_rank": 2})).eval()
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(hub, "write_remote_code", crash)  # after the weights, before the code, config and card
+    with pytest.raises(OSError, match="disk full"):
+        hf_primal.save_converted(second, folder)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no staging folder left behind
+    loaded = AutoModel.from_pretrained(folder).eval()
+    ids = torch.randint(1, 120, (2, 7))
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).last_hidden_state, first(input_ids=ids).last_hidden_state)
+    # A new folder whose save fails holds nothing that loads.
+    with pytest.raises(OSError, match="disk full"):
+        hf_primal.save_converted(second, tmp_path / "new")
+    assert not (tmp_path / "new" / "config.json").exists()
+
+
+def test_a_save_over_a_sharded_one_leaves_no_stale_shards(tmp_path):
+    model = BertModel(bert_config(primal_attention=SPEC)).eval()
+    folder = tmp_path / "out"
+    hf_primal.save_converted(model, folder, max_shard_size="20KB")
+    assert (folder / "model.safetensors.index.json").exists()
+    hf_primal.save_converted(model, folder)
+    assert sorted(p.name for p in folder.iterdir() if "safetensors" in p.name) == ["model.safetensors"]
+    assert type(AutoModel.from_pretrained(folder)).__name__ == "PrimalBertModel"

@@ -221,40 +221,79 @@ def headline_rows(results) -> list[str]:
     return rows
 
 
+def _ratio(value) -> str:
+    return f"{float(value):.2f}x" if value not in (None, "") else "-"
+
+
 def long_documents_timing_rows(rows) -> list[str]:
     """docs/benchmarks.md's long-document timing table, from scripts/results/long_documents_timing.csv."""
     out = []
     for r in rows:
         if r["status"] != "ok":
-            out.append(f"| {r['n']} | {r['variant']} | {r['status']} | | | |")
+            out.append(f"| {r['n']} | {r['variant']} | {r['status']} | | | | | |")
             continue
+        own = r.get("attention_peak_mib")
+        own = f"{float(own):.0f}" if own not in (None, "") else "-"
         out.append(f"| {r['n']} | {r['variant']} | {float(r['step_ms']) / 1e3:.2f} | "
                    f"{float(r['speedup_vs_sdpa']):.2f}x | {float(r['peak_mib']):.0f} | "
-                   f"{float(r['memory_ratio_vs_sdpa']):.2f}x |")
+                   f"{float(r['memory_ratio_vs_sdpa']):.2f}x | {own} | "
+                   f"{_ratio(r.get('attention_memory_ratio_vs_sdpa'))} / "
+                   f"{_ratio(r.get('attention_memory_ratio_vs_eager'))} |")
     return out
 
 
-def long_documents_headline(rows) -> str:
-    """README's headline row for long documents, from scripts/results/long_documents_timing.csv."""
+def long_documents_accuracy_rows(summary) -> list[str]:
+    """docs/benchmarks.md's long-document accuracy table, from scripts/results/long_documents_summary.csv."""
+    out = []
+    for r in summary:
+        if r.get("accuracy_mean") in (None, ""):
+            continue
+        out.append(f"| {r['n']} | {r['variant']} | {r['seeds']} | {100 * float(r['accuracy_mean']):.1f} ± "
+                   f"{100 * float(r['accuracy_std']):.1f} | {float(r['macro_f1_mean']):.3f} | "
+                   f"{100 * float(r['val_accuracy_mean']):.1f} | {float(r['train_seconds']) / 60:.1f} |")
+    return out
+
+
+def long_documents_study_rows(summary) -> list[str]:
+    """docs/benchmarks.md's study table (N = 512, validation), from scripts/results/long_documents_study_summary.csv."""
+    return [f"| {r['grid']} | {r['variant']} | {r['setting']} | {r['seeds']} | "
+            f"{100 * float(r['train_accuracy_mean']):.1f} | {100 * float(r['val_accuracy_mean']):.1f} ± "
+            f"{100 * float(r['val_accuracy_std']):.1f} |" for r in summary]
+
+
+def long_documents_headline(rows, summary) -> list[str]:
+    """README's headline rows for long documents, from long_documents_timing.csv and long_documents_summary.csv."""
     primal = {r["n"]: r for r in _by(rows, variant="primal")}
     last = {r["n"]: r for r in _by(rows, variant="primal-last")}
-    return (f"| training step on real BBC News articles (bytes, LRA shape, batch 32), N = 2048 / 4096, every layer "
-            f"primal "
-            f"| {float(primal['2048']['speedup_vs_sdpa']):.2f}x / {float(primal['4096']['speedup_vs_sdpa']):.2f}x "
-            f"faster than SDPA, {float(primal['2048']['memory_ratio_vs_sdpa']):.2f}x / "
-            f"{float(primal['4096']['memory_ratio_vs_sdpa']):.2f}x less peak memory; last layer only: "
-            f"{float(last['2048']['speedup_vs_sdpa']):.2f}x / {float(last['4096']['speedup_vs_sdpa']):.2f}x faster "
-            f"| `long_documents_timing.csv` |")
+    out = [f"| training step on real BBC News articles (bytes, LRA shape, batch 32), N = 2048 / 4096, every layer "
+           f"primal "
+           f"| {float(primal['2048']['speedup_vs_sdpa']):.2f}x / {float(primal['4096']['speedup_vs_sdpa']):.2f}x "
+           f"faster than SDPA; attention's own peak memory "
+           f"{float(primal['2048']['attention_memory_ratio_vs_sdpa']):.1f}x less than SDPA's at 2048; last layer only: "
+           f"{float(last['2048']['speedup_vs_sdpa']):.2f}x / {float(last['4096']['speedup_vs_sdpa']):.2f}x faster "
+           f"| `long_documents_timing.csv` |"]
+    by = {r["variant"]: r for r in _by(summary, n=2048)}
+    if all(v in by for v in ("sdpa", "primal", "primal-last", "no-attention")):
+        acc = {v: f"{100 * float(by[v]['accuracy_mean']):.1f}%" for v in by}
+        out.append(f"| topic of a BBC News article from its first 2048 bytes, trained from scratch "
+                   f"({by['primal']['seeds']} seeds) | softmax {acc['sdpa']}, last layer primal {acc['primal-last']}, "
+                   f"every layer primal {acc['primal']}, no attention {acc['no-attention']} "
+                   f"| `long_documents_summary.csv` |")
+    return out
 
 
 def test_long_document_figures_are_those_of_the_results_files():
-    rows = _csv_rows(ROOT / "scripts" / "results" / "long_documents_timing.csv")
+    results = ROOT / "scripts" / "results"
+    rows = _csv_rows(results / "long_documents_timing.csv")
+    summary = _csv_rows(results / "long_documents_summary.csv")
+    study = _csv_rows(results / "long_documents_study_summary.csv")
     benchmarks = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
-    lines = long_documents_timing_rows(rows)
-    assert len(lines) == len(rows) >= 14
+    lines = long_documents_timing_rows(rows) + long_documents_accuracy_rows(summary) + long_documents_study_rows(study)
+    assert len(lines) >= len(rows) + len(study) >= 30
     for line in lines:
         assert line in benchmarks, line
-    assert long_documents_headline(rows) in README
+    for line in long_documents_headline(rows, summary):
+        assert line in README, line
 
 
 def test_conversion_and_headline_figures_are_those_of_the_results_files():

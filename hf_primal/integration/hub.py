@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -162,27 +164,55 @@ def save_shareable(model: nn.Module, save: Callable[..., Any], save_directory: s
     config.__class__ = architecture.shareable_config
     config.auto_map = hub_auto_map(architecture.name)
     try:
-        result = save(model, save_directory, *args, **kwargs)
-        if _is_main_process(args, kwargs):
-            write_remote_code(save_directory, architecture.name)
-        if type(model) is not primal and _is_main_process(args, kwargs):
-            # Name the primal class in `architectures`: pipelines fall back to the transformers class named there
-            # when the Auto class refuses to run remote code, which would build a broken softmax model.
-            architectures = config.architectures
-            if primal is not None:
-                config.architectures = [primal.__name__]
-            try:
-                config.save_pretrained(save_directory)
-                with open(os.path.join(save_directory, "README.md"), "w", encoding="utf-8") as handle:
-                    handle.write(model_card(model))
-            finally:
-                config.architectures = architectures
+        if not _is_main_process(args, kwargs):  # other ranks write nothing of their own
+            return save(model, save_directory, *args, **kwargs)
+        return _save_staged(model, save, save_directory, primal, args, kwargs)
     finally:
         config.__class__ = saved_class
         if saved_map is _UNSET:
             config.__dict__.pop("auto_map", None)
         else:
             config.__dict__["auto_map"] = saved_map
+
+
+# Weight files a save replaces: what a previous save left of them is removed, as transformers' own save does.
+_WEIGHT_FILE = re.compile(r"^(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?$")
+
+
+def _save_staged(model: nn.Module, save: Callable[..., Any], save_directory: str | os.PathLike, primal: Any,
+                 args: tuple, kwargs: dict) -> Any:
+    """Write the whole shareable folder into a staging folder beside `save_directory`, then move it in with
+    config.json last: a save that fails part-way leaves the previous folder as it was (or no config.json, which
+    loads as nothing), never a config that promises what the files do not hold."""
+    target = Path(save_directory)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.saving-", dir=target.parent))
+    config = model.config
+    try:
+        result = save(model, staging, *args, **kwargs)
+        write_remote_code(staging, find_architecture(model).name)
+        if type(model) is not primal:
+            # Name the primal class in `architectures`: pipelines fall back to the transformers class named there
+            # when the Auto class refuses to run remote code, which would build a broken softmax model.
+            architectures = config.architectures
+            if primal is not None:
+                config.architectures = [primal.__name__]
+            try:
+                config.save_pretrained(staging)
+                with open(staging / "README.md", "w", encoding="utf-8") as handle:
+                    handle.write(model_card(model))
+            finally:
+                config.architectures = architectures
+        target.mkdir(exist_ok=True)
+        written = {p.name for p in staging.iterdir()}
+        for stale in target.iterdir():
+            if stale.is_file() and _WEIGHT_FILE.match(stale.name) and stale.name not in written:
+                stale.unlink()
+        for name in sorted(written, key=lambda n: n == "config.json"):
+            os.replace(staging / name, target / name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return result
     return result
 
 
