@@ -54,19 +54,24 @@ def setting_name(variant: str, overrides: dict[str, Any]) -> str:
                     for k in DEFAULTS if k in changed) or "default"
 
 
-def grid(name: str, sampling: str, learning_rate: float = 1e-3) -> list[tuple[str, dict[str, Any]]]:
-    """(variant, overrides of the benchmark's arguments) of every run of one grid."""
+def grid(name: str, sampling: str, learning_rate: float = 1e-3, rank_multi: int = 10
+         ) -> list[tuple[str, dict[str, Any]]]:
+    """(variant, overrides of the benchmark's arguments) of every run of one grid; the lr and data grids run the
+    primal variants with `sampling` and `rank_multi`."""
     if name == "options":
         out = [(variant, {"sampling": rule}) for variant in ("primal", "primal-last")
                for rule in ("even", "jitter", "segment_mean")]
         out += [("primal", {"sampling": rule, "rank_multi": m}) for rule in ("even", "segment_mean") for m in (1, 3)]
         out += [("primal", {"sampling": rule, "weight_decay": 0.1}) for rule in ("even", "segment_mean")]
+        out += [("primal", {"sampling": "jitter", "rank_multi": 1}), ("primal-last", {"sampling": "segment_mean",
+                                                                                     "rank_multi": 1})]
         return out + [("sdpa", {}), (bench.NO_ATTENTION, {})]
+    chosen = {"sampling": sampling, "rank_multi": rank_multi}
     if name == "lr":
-        out = [(v, {"learning_rate": lr, "sampling": sampling}) for lr in (1e-4, 3e-4, 1e-3) for v in FOUR]
-        return out + [(v, {**PAPER, "sampling": sampling}) for v in FOUR]
+        out = [(v, {"learning_rate": lr, **chosen}) for lr in (1e-4, 3e-4, 1e-3) for v in FOUR]
+        return out + [(v, {**PAPER, **chosen}) for v in FOUR]
     if name == "data":
-        return [(v, {"train_fraction": frac, "sampling": sampling, "learning_rate": learning_rate})
+        return [(v, {"train_fraction": frac, "learning_rate": learning_rate, **chosen})
                 for frac in (0.25, 0.5, 1.0) for v in FOUR]
     raise ValueError(f"grid {name!r} is not allowed: use options, lr or data")
 
@@ -77,6 +82,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--length", type=int, default=512)
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--sampling", default="even", help="the primal sampling rule of the lr and data grids")
+    p.add_argument("--rank-multi", type=int, default=10, help="the primal m of the lr and data grids")
     p.add_argument("--learning-rate", type=float, default=1e-3, help="the learning rate of the data grid")
     p.add_argument("--match", default=None,
                    help="run only the runs whose 'variant setting' matches this regular expression")
@@ -114,7 +120,7 @@ def planned(args: argparse.Namespace) -> list[tuple[str, dict[str, Any], int]]:
     out, seen = [], set()
     for seed in args.seeds:
         for grid_name in args.grid:
-            for variant, overrides in grid(grid_name, args.sampling, args.learning_rate):
+            for variant, overrides in grid(grid_name, args.sampling, args.learning_rate, args.rank_multi):
                 key = (setting_name(variant, overrides), variant, seed)
                 if args.match and not re.search(args.match, f"{variant} {key[0]}"):
                     continue
@@ -146,7 +152,7 @@ def summarise(rows: list[dict], args: argparse.Namespace) -> list[dict[str, Any]
     epoch of the best validation accuracy on the mean curve."""
     groups: dict[tuple[str, str, str, str], list[dict]] = {}
     for grid_name in args.grid:
-        for variant, overrides in grid(grid_name, args.sampling, args.learning_rate):
+        for variant, overrides in grid(grid_name, args.sampling, args.learning_rate, args.rank_multi):
             setting = setting_name(variant, overrides)
             runs = [r for r in rows if r["setting"] == setting and r["variant"] == variant
                     and str(r["n"]) == str(args.length)]

@@ -37,7 +37,7 @@ def test_plan_runs_each_setting_once_and_the_lr_grid_holds_the_benchmark_recipe(
     args = study.parse_args(["--grid", "options", "--seeds", "1", "--match", "^primal sampling"])
     assert [study.setting_name(v, o) for v, o, _ in study.planned(args)] == [
         "sampling=jitter", "sampling=segment_mean", "sampling=segment_mean,rank_multi=1",
-        "sampling=segment_mean,rank_multi=3"]
+        "sampling=segment_mean,rank_multi=3", "sampling=jitter,rank_multi=1"]
 
 
 def _row(setting, variant, seed, train, val, test, curve):
