@@ -11,7 +11,7 @@ option::
 import os
 import sys
 
-__version__ = "0.1.0"
+from .modeling.config import VERSION as __version__
 
 __all__ = [
     "PrimalAttentionConfig",

@@ -112,3 +112,32 @@ def test_a_save_over_a_sharded_one_leaves_no_stale_shards(tmp_path):
     hf_primal.save_converted(model, folder)
     assert sorted(p.name for p in folder.iterdir() if "safetensors" in p.name) == ["model.safetensors"]
     assert type(AutoModel.from_pretrained(folder)).__name__ == "PrimalBertModel"
+
+
+@pytest.mark.parametrize("change", [{"window": 4}, {"sampling": "learned"}])
+def test_a_folder_from_a_newer_hf_primal_that_this_one_cannot_read_is_refused_naming_both_versions(tmp_path, change):
+    model, folder = _saved(tmp_path, drop_entry=False)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["hf_primal_version"] == hf_primal.__version__  # every save records its writer
+    config["primal_attention"].update(change)
+    config["hf_primal_version"] = "9.0.0"
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as error:
+        AutoModel.from_pretrained(folder)
+    message = str(error.value)
+    assert f"saved by hf_primal 9.0.0, newer than this hf_primal {hf_primal.__version__}" in message
+    assert next(iter(change)) in message and "upgrade hf_primal" in message
+    # Known fields from a newer writer load as usual.
+    config["primal_attention"] = {**config["primal_attention"], **{k: v for k, v in SPEC.items()}}
+    config["primal_attention"].pop("window", None)
+    config["primal_attention"]["sampling"] = "even"
+    (folder / "config.json").write_text(json.dumps(config))
+    assert type(AutoModel.from_pretrained(folder)).__name__ == "PrimalBertModel"
+
+
+def test_package_and_setup_versions_agree():
+    import re
+    from pathlib import Path
+
+    setup = (Path(__file__).resolve().parents[1] / "setup.py").read_text()
+    assert re.search(r'version="([^"]+)"', setup).group(1) == hf_primal.__version__

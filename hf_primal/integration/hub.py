@@ -16,6 +16,7 @@ from transformers import AutoConfig
 from transformers.models.auto import modeling_auto
 from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
 
+from ..modeling.config import VERSION
 from ..modeling.model_card import model_card
 from ..models import ARCHITECTURES, BY_NAME, SOURCE_FILES, find_architecture, shareable_class
 
@@ -175,6 +176,13 @@ def save_shareable(model: nn.Module, save: Callable[..., Any], save_directory: s
             config.__dict__["auto_map"] = saved_map
 
 
+def _stamp_version(config_file: Path) -> None:
+    """Record the writing hf_primal's version in config.json (`folder_check` names it when an older one refuses)."""
+    data = json.loads(config_file.read_text(encoding="utf-8"))
+    data["hf_primal_version"] = VERSION
+    config_file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
 # Weight files a save replaces: what a previous save left of them is removed, as transformers' own save does.
 _WEIGHT_FILE = re.compile(r"^(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?$")
 
@@ -203,6 +211,7 @@ def _save_staged(model: nn.Module, save: Callable[..., Any], save_directory: str
                     handle.write(model_card(model))
             finally:
                 config.architectures = architectures
+        _stamp_version(staging / "config.json")
         target.mkdir(exist_ok=True)
         written = {p.name for p in staging.iterdir()}
         for stale in target.iterdir():

@@ -14,6 +14,10 @@ from typing import Any, Union
 
 LayersSpec = Union[str, list[int]]
 
+# hf_primal's version (the package's __version__), written into every saved config.json as "hf_primal_version" so
+# that an older hf_primal can name the version of a folder it cannot read.
+VERSION = "0.1.0"
+
 _REDUCTIONS = ("sequence", "batch")
 # What fills the p slots of an encoder layer (docs/method.md, "Sampling"). A stored primal_attention without the
 # field was written before "even" existed and keeps the rule it was trained with.

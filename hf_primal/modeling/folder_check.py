@@ -17,6 +17,8 @@ import re
 from collections.abc import Mapping
 from typing import Any, Optional
 
+from .config import VERSION, PrimalAttentionConfig
+
 # The parameters every primal core adds (hf_primal.modeling.primal.PrimalCore), as they appear in a state dict.
 _PRIMAL_TENSOR = re.compile(r"(^|\.)primal\.(We|Wr|Lambda|head_map\.weight|head_map\.bias)$")
 
@@ -51,7 +53,10 @@ def check_saved_config(
     """Raise ValueError when `config_dict` (read from `source`) has no ``primal_attention`` entry although the folder
     is a primal one: its model_type is ``primal_<arch>`` or its weights hold primal tensors. Passing
     ``primal_attention=...`` to ``from_pretrained`` (in `kwargs`) supplies the entry and is accepted."""
-    if config_dict.get("primal_attention") is not None or (kwargs or {}).get("primal_attention") is not None:
+    if (kwargs or {}).get("primal_attention") is not None:
+        return
+    if config_dict.get("primal_attention") is not None:
+        _check_version(config_dict, source)
         return
     folder = str(source) if isinstance(source, (str, os.PathLike)) else None
     if folder is not None and (kwargs or {}).get("subfolder"):
@@ -68,3 +73,28 @@ def check_saved_config(
         f"'primal_attention' entry the checkpoint was saved with (for example \"primal_attention\": "
         f"{_layers_hint(names)} in config.json), or pass primal_attention={{...}} to from_pretrained."
     )
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    parts = []
+    for part in str(text).split("."):
+        digits = re.match(r"\d+", part)
+        parts.append(int(digits.group()) if digits else 0)
+    return tuple(parts)
+
+
+def _check_version(config_dict: Mapping[str, Any], source: Any) -> None:
+    """A folder written by a newer hf_primal whose primal_attention this version cannot read is refused naming both
+    versions (instead of only the unknown field or rule)."""
+    written = config_dict.get("hf_primal_version")
+    if not written or _version_tuple(written) <= _version_tuple(VERSION):
+        return
+    try:
+        PrimalAttentionConfig.from_dict(config_dict["primal_attention"])
+    except ValueError as error:
+        raise ValueError(
+            f"{source}: saved by hf_primal {written}, newer than this hf_primal {VERSION}, and its primal_attention "
+            f"uses what this version does not know: {error} Fix: upgrade hf_primal (pip install -U hf_primal), or "
+            f"load the folder with trust_remote_code=True without importing hf_primal, which runs the code it was "
+            f"saved with."
+        ) from None
