@@ -16,9 +16,11 @@ steps then linear decay, batch 32, 8 epochs, dropout 0.1 on hidden states. Varia
   (which leaves the fused kernel; the figure beside it, first seed only);
 * ``eager``: transformers' eager attention, the same math as ``sdpa``, timed for ``--eager-steps`` training steps
   rather than trained;
-* ``primal`` (Primal.: both layers) and ``primal-last`` (Primal.+: the last layer), the paper's LRA-Text settings:
-  s = 20, eta = 0.05 and s = 30, eta = 0.1, m = 10 (p = m s sampled tokens), the KSVD term over the whole batch
-  (the reduction of the paper's LRA code); the loss is cross-entropy + eta * KSVD;
+* ``primal`` (Primal.: both layers) and ``primal-last`` (Primal.+: the last layer), the paper's LRA-Text settings
+  s = 20, eta = 0.05 and s = 30, eta = 0.1, the KSVD term over the whole batch (the reduction of the paper's LRA
+  code; the loss is cross-entropy + eta * KSVD), with the slots chosen on the validation split by
+  ``scripts/study_long_documents.py``: m = 1 (p = s slots) and ``sampling="segment_mean"`` (each slot the mean of its
+  run of N / p bytes), hf_primal's default rule. The paper's own slots: ``--rank-multi 10 --sampling even``;
 * ``performer`` (performer-pytorch ``SelfAttention``, int(d ln d) random features), ``nystrom``
   (nystrom-attention ``NystromAttention``, 256 landmarks, 6 pseudo-inverse iterations, residual convolution 33) and
   ``linformer`` (linformer ``LinformerSelfAttention``, k = 256; it cannot mask padding, so it sees the padded bytes):
@@ -97,9 +99,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--train-fraction", type=float, default=1.0,
                    help="share of the training articles used (stratified by topic); the step count stays that of "
                         "the whole training split, so a data-size curve compares equal budgets")
-    p.add_argument("--rank-multi", type=int, default=10, help="m of the primal variants (p = m s)")
+    p.add_argument("--rank-multi", type=int, default=1,
+                   help="m of the primal variants (p = m s; chosen on validation, the paper's is 10)")
     p.add_argument("--sampling", default=None,
-                   help="sampling rule of the primal variants (PrimalAttentionConfig.sampling; default: its default)")
+                   help="sampling rule of the primal variants (PrimalAttentionConfig.sampling; default: its default, "
+                        "segment_mean; the paper's is even)")
     p.add_argument("--ksvd-reduction", choices=("batch", "sequence"), default="batch")
     p.add_argument("--eager-steps", type=int, default=4, help="timed training steps of eager attention")
     p.add_argument("--eager-limit-gib", type=float, default=8.0, help="skip eager where it would need more")

@@ -17,6 +17,7 @@ import transformers
 from peft import get_peft_model
 
 import hf_primal
+from hf_primal import PrimalAttentionConfig
 from hf_primal.integration.hub import REMOTE_CODE_FILES, hub_heads
 from hf_primal.modeling.cache import PrimalCacheLayer
 from hf_primal.models import ARCHITECTURES, BY_NAME, find_architecture
@@ -68,7 +69,8 @@ def test_layer_matches_the_reference(name, decoder):
     model = case.model("base", primal_attention={"layers": "all", "low_rank": 5, "rank_multi": 2}, **flags).eval()
     attn = architecture.list_layers(_base(model))[1][1]
     causal = architecture.causal(model.config)
-    assert causal == (decoder or name == "gpt2") and attn.primal.sampling == "even"
+    rule = PrimalAttentionConfig().sampling  # the default rule of a new config
+    assert causal == (decoder or name == "gpt2") and attn.primal.sampling == rule
     assert attn.primal.num_samples == (0 if causal else 10)  # p = min(N_max, 5 * 2)
     batch = inputs(name, model.config, length=14, lengths=[14, 9, 3])  # 3 tokens < p: tokens repeat
     store, handle = capture_layer_io(attn)
@@ -83,7 +85,7 @@ def test_layer_matches_the_reference(name, decoder):
     if causal:
         y, _, _ = reference_causal(q, k, valid, *weights)
     else:
-        y, _, _ = reference_noncausal(x, q, k, valid, *weights, rule="even")
+        y, _, _ = reference_noncausal(x, q, k, valid, *weights, rule=rule)
     expected = y.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1)
     if architecture.out_name:
         expected = getattr(attn, architecture.out_name)(expected.float()).double()
@@ -225,7 +227,8 @@ def test_remote_code_loads_every_head_without_hf_primal(tmp_path):
     saved = _saved_models(tmp_path, convert=True)
     for name, (folder, _, _) in saved.items():
         config = json.loads((folder / "config.json").read_text())
-        assert config["model_type"] == f"primal_{name}" and config["primal_attention"]["sampling"] == "even"
+        assert config["model_type"] == f"primal_{name}"
+        assert config["primal_attention"]["sampling"] == PrimalAttentionConfig().sampling
         assert set(config["auto_map"]) == {"AutoConfig", *hub_heads(name)}
         assert {"AutoModel", CASES[name].auto_head} <= set(config["auto_map"])
         assert all(v.startswith(f"modeling_primal_{name}.Primal") for v in config["auto_map"].values())

@@ -72,7 +72,14 @@ def test_primal_variants_carry_the_paper_settings():
     cfg_last = bench.DocumentClassifier("primal-last", 64, args).encoder.config.primal_attention
     assert (cfg_all["layers"], cfg_all["low_rank"], cfg_all["eta"]) == ("all", 20, 0.05)
     assert (cfg_last["layers"], cfg_last["low_rank"], cfg_last["eta"]) == ([-1], 30, 0.1)
-    assert cfg_all["rank_multi"] == 10 and cfg_all["ksvd_reduction"] == "batch"
+    assert cfg_all["rank_multi"] == 1 and cfg_all["ksvd_reduction"] == "batch"  # m chosen by the study
+    model = bench.DocumentClassifier("primal", 64, args)
+    assert {layer.attention.self.primal.sampling for layer in model.encoder.encoder.layer} == {"segment_mean"}
+    text = bench.settings_text("primal", args)
+    assert "m=1" in text and "sampling=segment_mean" in text
+    paper = bench.DocumentClassifier("primal", 64, _args(rank_multi=10, sampling="even"))
+    assert {layer.attention.self.primal.sampling for layer in paper.encoder.encoder.layer} == {"even"}
+    assert paper.encoder.config.primal_attention["rank_multi"] == 10
     import hf_primal
 
     assert len(hf_primal.primal_layers(bench.DocumentClassifier("primal", 64, args).encoder)) == 2

@@ -90,18 +90,34 @@ def test_reference_rule_counts():
     assert reference_sample_ranks(3, 7, "legacy") == [0, 0, 0, 1, 1, 1, 2]
 
 
-def test_new_configs_use_even_and_old_saved_configs_keep_legacy():
-    assert PrimalAttentionConfig().sampling == "even"
-    assert PrimalAttentionConfig.coerce({"layers": "all"}).sampling == "even"  # a dict a user writes
-    assert PrimalAttentionConfig().to_dict()["sampling"] == "even"  # always written
+def test_new_configs_use_segment_means_and_old_saved_configs_keep_legacy():
+    assert PrimalAttentionConfig().sampling == "segment_mean"
+    assert PrimalAttentionConfig.coerce({"layers": "all"}).sampling == "segment_mean"  # a dict a user writes
+    assert PrimalAttentionConfig().to_dict()["sampling"] == "segment_mean"  # always written
     old = {"model_type": "primal_bert", "primal_attention": {"layers": [-1], "low_rank": 4, "rank_multi": 10,
                                                              "eta": 0.1, "ksvd_reduction": "sequence"}}
     assert saved_config_dict(old)["primal_attention"]["sampling"] == "legacy"
     assert "sampling" not in old["primal_attention"]  # the caller's dict is left alone
-    new = {"primal_attention": {"layers": [-1], "sampling": "even"}}
+    new = {"primal_attention": {"layers": [-1], "sampling": "segment_mean"}}
     assert saved_config_dict(new) == new
     with pytest.raises(ValueError, match="PrimalAttentionConfig.sampling='uniform' is not allowed: use one of"):
         PrimalAttentionConfig(sampling="uniform")
+
+
+@pytest.mark.parametrize("rule", ["segment_mean", "jitter"])
+def test_the_new_rules_equal_even_on_inputs_shorter_than_p(rule):
+    # Why changing the default leaves short-input results (sentences, the conversion benchmark) unchanged: with
+    # fewer valid tokens than slots every run holds one token, so each rule is the even rule, training or not.
+    core = _core(False, 12)
+    q, k = _qk(3, 11)
+    x = torch.randn(3, 11, H * D, dtype=torch.float64)
+    valid = _padded([11, 6, 1], 11, "left")
+    core.sampling = "even"
+    even, _ = core.noncausal(q, k, x, valid)
+    core.sampling = rule
+    for mode in (core.train, core.eval):
+        mode()
+        assert torch.equal(core.noncausal(q, k, x, valid)[0], even)
 
 
 def test_checkpoint_saved_without_the_field_loads_with_the_legacy_rule(tmp_path):

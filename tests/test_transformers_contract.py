@@ -79,11 +79,10 @@ def _reference_noncausal_kernel(x, q, k, valid, samples):
     kernel = torch.zeros(batch, heads, length, length, dtype=torch.float64)
     for b in range(batch):
         positions = [n for n in range(length) if bool(valid[b, n])]
-        count = len(positions)
-        from tests.reference import reference_sample_ranks  # the "even" rule of a new config
+        from hf_primal import PrimalAttentionConfig
+        from tests.reference import _slot_rows  # the rows of a new config's rule
 
-        picked = [positions[rank] for rank in reference_sample_ranks(count, samples)]
-        rows = x[b, picked].double().view(samples, heads, dim)
+        rows = _slot_rows(x[b], positions, samples, PrimalAttentionConfig().sampling).view(samples, heads, dim)
         for h in range(heads):
             for i in positions:
                 q_hat = q[b, h, i] / q[b, h, i].norm()

@@ -61,14 +61,15 @@ class PrimalAttentionConfig:
         eta: weight of the KSVD regulariser added to the task loss by `PrimalTrainer`.
         ksvd_reduction: ``"sequence"`` (J per sequence, squared, then averaged; the default) or ``"batch"``
             (J over the whole batch, as in the paper's CV/LRA code).
-        sampling: what fills the p slots of an encoder layer's W_{e|X} (docs/method.md, "Sampling"). ``"even"``
-            (the paper's rule): p single tokens evenly spaced over the L valid tokens, and for L < p every valid token
-            in floor(p/L) or ceil(p/L) slots. ``"segment_mean"``: the valid tokens cut into p consecutive runs, each
-            slot the mean of its run (for L < p the same as ``"even"``), so every token reaches the weights.
-            ``"jitter"``: while training (``model.train()``) each slot takes a uniformly drawn token of its run, a
-            fresh draw every forward; at inference it samples as ``"even"``. ``"legacy"``: the rule of hf_primal 0.1
-            (for L < p the last valid token gets one slot, the others about p/L). Configs saved without the field
-            (hf_primal 0.1) load with ``"legacy"``; see `saved_config_dict`. Causal layers sample nothing.
+        sampling: what fills the p slots of an encoder layer's W_{e|X} (docs/method.md, "Sampling").
+            ``"segment_mean"`` (the default): the L valid tokens cut into p consecutive runs, each slot the mean of
+            its run, so every token reaches the weights; for L < p each slot holds one token, as under ``"even"``.
+            ``"even"`` (the paper's rule): p single tokens evenly spaced over the valid tokens, and for L < p every
+            valid token in floor(p/L) or ceil(p/L) slots. ``"jitter"``: while training (``model.train()``) each slot
+            takes a uniformly drawn token of its run, a fresh draw every forward; at inference it samples as
+            ``"even"``. ``"legacy"``: the rule of hf_primal 0.1 (for L < p the last valid token gets one slot, the
+            others about p/L). The three rules agree with ``"even"`` on inputs shorter than p. Configs saved without
+            the field (hf_primal 0.1) load with ``"legacy"``; see `saved_config_dict`. Causal layers sample nothing.
         crop_window: ``W``, how many of the latest tokens a causal layer's generation cache can take back
             (``cache.crop``, used by assisted and prompt-lookup decoding). While a cache records its past (transformers
             calls ``activate_past_recording`` for those modes) each causal primal layer keeps the running state after
@@ -82,7 +83,7 @@ class PrimalAttentionConfig:
     eta: float = 0.1
     ksvd_reduction: str = "sequence"
     crop_window: int = _DEFAULT_CROP_WINDOW
-    sampling: str = "even"
+    sampling: str = "segment_mean"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -197,8 +198,8 @@ def saved_config_dict(config_dict: Mapping[str, Any]) -> dict[str, Any]:
 
     A ``primal_attention`` entry without ``sampling`` was written by hf_primal 0.1, whose only rule is ``"legacy"``;
     it gets that rule explicitly, so that the checkpoint keeps computing what it was trained to compute. (Dicts a
-    user writes, e.g. ``from_pretrained(path, primal_attention={...})``, do not pass through here and default to
-    ``"even"``.)
+    user writes, e.g. ``from_pretrained(path, primal_attention={...})``, do not pass through here and get the
+    current default.)
     """
     spec = config_dict.get("primal_attention")
     if isinstance(spec, Mapping) and "sampling" not in spec:
