@@ -42,6 +42,8 @@ def reference_slot_runs(L, p):
 def _slot_rows(x_b, positions, p, rule):
     """(p, C) rows of one sequence's layer input under `rule` (positions: its valid positions, in order)."""
     L = len(positions)
+    if rule == "jitter":  # in eval mode (the only deterministic one) it samples as "even"
+        rule = "even"
     if rule == "segment_mean":
         return torch.stack([torch.stack([x_b[positions[r]] for r in run]).double().mean(0)
                             for run in reference_slot_runs(L, p)])
@@ -50,8 +52,8 @@ def _slot_rows(x_b, positions, p, rule):
 
 @torch.no_grad()
 def reference_noncausal(x, q, k, valid, We, Wr, head_map_w, head_map_b, rule="even"):
-    """x (B,N,C), q/k (B,H,N,d), valid (B,N) bool, We/Wr (H,p,s) -> y (B,H,N,d), e, r (sampling `rule`; "jitter" is
-    not deterministic in training and samples as "even" in eval mode, so pass "even" for it)."""
+    """x (B,N,C), q/k (B,H,N,d), valid (B,N) bool, We/Wr (H,p,s) -> y (B,H,N,d), e, r (sampling `rule`; "jitter" as
+    in eval mode: random in training, it samples as "even" at inference)."""
     B, H, N, d = q.shape
     p, s = We.shape[1], We.shape[2]
     y = torch.zeros(B, H, N, d, dtype=torch.float64)

@@ -12,7 +12,7 @@ from hf_primal.tools.analysis import (
     plot_attention_spectrum,
 )
 from tests.conftest import bert_config, gpt2_config
-from tests.reference import reference_sample_ranks
+from tests.reference import _slot_rows
 
 
 def test_rank_one_matrix_explains_everything_with_its_first_singular_value():
@@ -97,10 +97,9 @@ def test_primal_layer_matches_dense_svd_of_the_implied_kernel(kernel):
     expected = []
     for b in range(2):
         length = int(valid[b].sum())
-        # The sampled tokens by the loop-by-loop reference rule (tests/reference.py), among the valid positions.
-        positions = valid[b].nonzero().flatten()
-        ranks = reference_sample_ranks(length, attn.primal.num_samples)
-        sampled = x[b, positions[torch.as_tensor(ranks)]].view(-1, heads, dim)
+        # The slot rows by the loop-by-loop reference rule (tests/reference.py) of the layer, among the valid positions.
+        positions = valid[b].nonzero().flatten().tolist()
+        sampled = _slot_rows(x[b], positions, attn.primal.num_samples, attn.primal.sampling).view(-1, heads, dim)
         for h in range(heads):
             q_hat = F.normalize(q[b, :length, h], dim=-1)
             k_hat = F.normalize(k[b, :length, h], dim=-1)

@@ -58,7 +58,7 @@ def test_ksvd_loss_matches_spec_encoder_with_padding(reduction):
         x = store[i]
         core = m.primal
         _, e, r = reference_noncausal(x, _split(m.query(x), 4), _split(m.key(x), 4), mask.bool(), core.We, core.Wr,
-                                      core.head_map.weight, core.head_map.bias)
+                                      core.head_map.weight, core.head_map.bias, rule=core.sampling)
         per_layer.append(reference_layer_J(e, r, mask.bool(), core.Lambda, core.We, core.Wr))
     expected = _expected_loss(per_layer, reduction)
     got = float(ksvd_loss(model, reduction))
@@ -247,7 +247,8 @@ def test_eval_reports_ksvd_loss(tmp_path):
         mask = masks[4 * i:4 * i + 4]
         with torch.no_grad():
             q, k = _split(module.query(x), 4), _split(module.key(x), 4)
-        _, e, r = reference_noncausal(x, q, k, mask, core.We, core.Wr, core.head_map.weight, core.head_map.bias)
+        _, e, r = reference_noncausal(x, q, k, mask, core.We, core.Wr, core.head_map.weight, core.head_map.bias,
+                                      rule=core.sampling)
         expected.append(_expected_loss([reference_layer_J(e, r, mask, core.Lambda, core.We, core.Wr)], "sequence"))
     assert expected[0] != pytest.approx(expected[1], rel=1e-3)  # the two batches differ: the mean is a real check
     assert metrics["eval_ksvd_loss"] == pytest.approx(sum(expected) / 2, rel=1e-5)

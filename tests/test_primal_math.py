@@ -241,7 +241,7 @@ def test_lambda_reaches_the_output_through_a_zero_tie():
 def test_short_sequences_sum_weights_per_token_like_the_gathered_rows(rule, mask):
     # N < p: the layer sums W_e / W_r rows per token instead of gathering p rows. Same y, terms and gradients as
     # the direct formula X_s^T W_e on the gathered rows (built here with plain autograd ops), for both rules.
-    from hf_primal.modeling.sampling import _sample_tokens, sampled_weights
+    from hf_primal.modeling.sampling import _sample_tokens, sampled_weights, single_token_rule
 
     batch, length, samples = 3, 6, 10
     core = _core(False, samples)
@@ -252,7 +252,7 @@ def test_short_sequences_sum_weights_per_token_like_the_gathered_rows(rule, mask
     we_x, wr_x = sampled_weights(x, valid, core.We, core.Wr, rule, torch.float64)
     # The per-token sums rely on every rule giving slots in token order.
     full_valid = torch.ones(batch, length, dtype=torch.bool) if valid is None else valid
-    assert torch.all(sample_token_indices(full_valid, samples, rule).diff(dim=1) >= 0)
+    assert torch.all(sample_token_indices(full_valid, samples, single_token_rule(rule, False)).diff(dim=1) >= 0)
     sampled = _sample_tokens(x, valid, samples, rule).reshape(batch, samples, H, D)
     we_ref = torch.einsum("bphd,hps->bhds", sampled, core.We)
     wr_ref = torch.einsum("bphd,hps->bhds", sampled, core.Wr)
