@@ -47,11 +47,12 @@ PAPER = {"learning_rate": 1e-4, "adam_eps": 1e-6, "warmup": 0.4}  # LRA Text: 8,
 
 
 def setting_name(variant: str, overrides: dict[str, Any]) -> str:
-    """The canonical name of a run's setting: the changed fields in a fixed order, or "default"."""
+    """The canonical name of a run's setting: the fields changed from `DEFAULTS` (the benchmark's recipe with the
+    paper's slots, sampling="even" and m = 10) in a fixed order, or "baseline"."""
     changed = {k: v for k, v in overrides.items() if v != DEFAULTS[k] and (variant in bench.PRIMAL or k not in
                                                                            PRIMAL_ONLY)}
     return ",".join(f"{k}={changed[k]:g}" if isinstance(changed[k], float) else f"{k}={changed[k]}"
-                    for k in DEFAULTS if k in changed) or "default"
+                    for k in DEFAULTS if k in changed) or "baseline"
 
 
 def grid(name: str, sampling: str, learning_rate: float = 1e-3, rank_multi: int = 10

@@ -15,12 +15,12 @@ import study_long_documents as study  # noqa: E402
 
 
 def test_setting_names_list_what_changes_in_a_fixed_order():
-    assert study.setting_name("primal", {}) == "default"
-    assert study.setting_name("primal", {"sampling": "even", "learning_rate": 1e-3}) == "default"
+    assert study.setting_name("primal", {}) == "baseline"
+    assert study.setting_name("primal", {"sampling": "even", "learning_rate": 1e-3}) == "baseline"
     assert study.setting_name("primal", {"sampling": "jitter", "learning_rate": 3e-4}) == \
         "learning_rate=0.0003,sampling=jitter"
     # Sampling and m do not exist for the softmax and no-attention networks: the same run whatever they say.
-    assert study.setting_name("sdpa", {"sampling": "jitter", "rank_multi": 3}) == "default"
+    assert study.setting_name("sdpa", {"sampling": "jitter", "rank_multi": 3}) == "baseline"
     assert study.setting_name("no-attention", {**study.PAPER, "sampling": "segment_mean"}) == \
         "learning_rate=0.0001,adam_eps=1e-06,warmup=0.4"
 
@@ -32,7 +32,7 @@ def test_plan_runs_each_setting_once_and_the_lr_grid_holds_the_benchmark_recipe(
     assert len(keys) == len(set(keys))
     assert [s for _, _, s in plan] == sorted(s for _, _, s in plan)  # first seed first
     # lr = 1e-3 of the lr grid and data = 1.0 of the data grid are the same runs for sdpa.
-    assert ("sdpa", "default", 0) in keys and sum(1 for k in keys if k[0] == "sdpa" and k[2] == 0) == 6
+    assert ("sdpa", "baseline", 0) in keys and sum(1 for k in keys if k[0] == "sdpa" and k[2] == 0) == 6
     assert ("primal", "sampling=jitter", 0) in keys  # lr 1e-3 with the chosen rule: shared with the options grid
     args = study.parse_args(["--grid", "options", "--seeds", "1", "--match", "^primal sampling"])
     assert [study.setting_name(v, o) for v, o, _ in study.planned(args)] == [
@@ -48,7 +48,7 @@ def _row(setting, variant, seed, train, val, test, curve):
 def test_summary_equals_hand_computed_means_and_the_best_epoch_of_the_mean_curve():
     rows = [_row("sampling=jitter", "primal", 0, 0.6, 0.40, 0.41, "41:0.30 82:0.40 123:0.38"),
             _row("sampling=jitter", "primal", 1, 0.7, 0.50, 0.45, "41:0.36 82:0.30 123:0.50"),
-            _row("default", "sdpa", 0, 0.8, 0.55, 0.56, "41:0.50 82:0.55 123:0.55")]
+            _row("baseline", "sdpa", 0, 0.8, 0.55, 0.56, "41:0.50 82:0.55 123:0.55")]
     args = study.parse_args(["--grid", "options"])
     by = {(s["setting"], s["variant"]): s for s in study.summarise(rows, args)}
     jitter = by[("sampling=jitter", "primal")]
@@ -56,19 +56,19 @@ def test_summary_equals_hand_computed_means_and_the_best_epoch_of_the_mean_curve
     assert jitter["val_accuracy_std"] == pytest.approx(0.0707107, 1e-5)
     assert jitter["train_accuracy_mean"] == pytest.approx(0.65) and jitter["accuracy_mean"] == pytest.approx(0.43)
     assert jitter["val_curve_mean"] == "0.3300 0.3500 0.4400" and jitter["best_epoch"] == 3
-    assert by[("default", "sdpa")]["best_epoch"] == 2 and by[("default", "sdpa")]["val_accuracy_std"] == 0.0
-    assert ("default", "primal") not in by  # not run
+    assert by[("baseline", "sdpa")]["best_epoch"] == 2 and by[("baseline", "sdpa")]["val_accuracy_std"] == 0.0
+    assert ("baseline", "primal") not in by  # not run
 
 
 def test_quick_run_rows_feed_the_summary(tmp_path):
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "study_long_documents.py"), "--quick", "--length",
-                             "96", "--grid", "options", "--match", "^(primal sampling=jitter|sdpa)", "--seeds", "0",
+                             "96", "--grid", "options", "--match", "^(primal sampling=jitter|sdpa baseline)$", "--seeds", "0",
                              "--workers", "1", "--out-dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     with open(tmp_path / study.STUDY_CSV, newline="") as handle:
         rows = list(csv.DictReader(handle))
-    assert sorted((r["variant"], r["setting"]) for r in rows) == [("primal", "sampling=jitter"), ("sdpa", "default")]
+    assert sorted((r["variant"], r["setting"]) for r in rows) == [("primal", "sampling=jitter"), ("sdpa", "baseline")]
     assert all(r["settings"].endswith("sampling=jitter") for r in rows if r["variant"] == "primal")
     with open(tmp_path / study.STUDY_SUMMARY_CSV, newline="") as handle:
         summary = list(csv.DictReader(handle))
