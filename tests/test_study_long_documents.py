@@ -61,10 +61,10 @@ def test_summary_equals_hand_computed_means_and_the_best_epoch_of_the_mean_curve
 
 
 def test_quick_run_rows_feed_the_summary(tmp_path):
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "study_long_documents.py"), "--quick", "--length",
-                             "96", "--grid", "options", "--match", "^(primal sampling=jitter|sdpa baseline)$", "--seeds", "0",
-                             "--workers", "1", "--out-dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
-                            timeout=600)
+    command = [sys.executable, str(ROOT / "scripts" / "study_long_documents.py"), "--quick", "--length", "96",
+               "--grid", "options", "--match", "^(primal sampling=jitter|sdpa baseline)$", "--seeds", "0",
+               "--workers", "1", "--out-dir", str(tmp_path)]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     with open(tmp_path / study.STUDY_CSV, newline="") as handle:
         rows = list(csv.DictReader(handle))
