@@ -16,6 +16,7 @@ from ..modeling.config import PrimalAttentionConfig
 from ..models import find_architecture
 from .calibration import input_columns
 from .loss import REDUCTIONS, clear_ksvd_terms, collect_ksvd_terms, ksvd_from_terms, primal_model
+from .resume import PrimalStateCallback, checkpoint_folder, restore_state
 from .teacher_loss import check_compatible, resolve_target, student_teacher_loss
 
 # Chosen by measurement: fine-tuning all-MiniLM-L6-v2 with its last layer primal on BBC News sentences (1 epoch,
@@ -186,12 +187,18 @@ class PrimalTrainer(Trainer):
         self.distill_dataset = distill_dataset
         self._distill_loader = None
         self._distill_batches = iter(())
+        self._distill_consumed = self._distill_skip = 0  # batches drawn; to draw again on resume (resume.py)
+        self.add_callback(PrimalStateCallback(self))
         self.primal_learning_rate = _checked_primal_learning_rate(primal_learning_rate, self.args.learning_rate)
         self._ksvd_sum = torch.zeros((), dtype=torch.float64)
         self._distill_sum = torch.zeros((), dtype=torch.float64)
         self._task_sum = torch.zeros((), dtype=torch.float64)
         self._micro_batches = 0
         self._eval_ksvd: list[torch.Tensor] = []
+
+    def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        restore_state(self, checkpoint_folder(resume_from_checkpoint, self.args.output_dir))
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     # ------------------------------------------------------------------ teacher and optimizer
     def _setup_teacher(self, teacher, weight, temperature, target) -> None:
@@ -257,13 +264,13 @@ class PrimalTrainer(Trainer):
         teacher_inputs = {k: v for k, v in inputs.items() if k != "labels"}
         with torch.no_grad():
             self.teacher.eval()
-            teacher_out = self.teacher(**teacher_inputs)
+            teacher_out = self.teacher(**teacher_inputs, **self._student_extra(self.teacher))
         return student_teacher_loss(
             outputs, teacher_out, inputs.get("attention_mask"), self.distill_target, self.distill_temperature
         )
 
     def _student_extra(self, model) -> dict[str, bool]:
-        # Models with a head expose their final hidden states only on request.
+        # Models with a head (student or teacher) expose their final hidden states only on request.
         wants = self.distill_target == "hidden" and resolve_target(model, "auto") == "logits"
         return {"output_hidden_states": True} if wants else {}
 
@@ -279,10 +286,14 @@ class PrimalTrainer(Trainer):
             loader = torch.utils.data.DataLoader(data, batch_size=self.args.per_device_train_batch_size, shuffle=True,
                                                  generator=generator, collate_fn=self.data_collator, drop_last=False)
             self._distill_loader = self.accelerator.prepare(loader)
-        batch = next(self._distill_batches, None)
-        if batch is None:  # a new pass (the first, or after the last batch)
-            self._distill_batches = iter(self._distill_loader)
-            batch = next(self._distill_batches)
+        while True:
+            batch = next(self._distill_batches, None)
+            if batch is None:  # a new pass (the first, or after the last batch)
+                self._distill_batches = iter(self._distill_loader)
+                batch = next(self._distill_batches)
+            self._distill_consumed += 1
+            if self._distill_consumed > self._distill_skip:  # drawn before the checkpoint a run resumed from
+                break
         return {k: v.to(self.args.device) for k, v in batch.items() if k not in ("labels", "label")}
 
     def _unlabeled_terms(self, model) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,61 @@
+"""What `PrimalTrainer` adds to a Trainer checkpoint, so that a run resumed from it ends where the uninterrupted run
+ends: how many batches of ``distill_dataset`` were drawn (its loader is reshuffled from ``args.seed`` each pass, so
+drawing them again from the start replays the same order) and the running sums behind the logged KSVD, task and
+distillation losses. Transformers saves and restores everything else (weights, optimizer, scheduler, RNG states,
+the training data's position).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional, Union
+
+import torch
+from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+STATE_FILE = "primal_trainer_state.json"
+_SUMS = ("_ksvd_sum", "_task_sum", "_distill_sum")
+
+
+class PrimalStateCallback(TrainerCallback):
+    """Writes `STATE_FILE` into every checkpoint folder the trainer saves (process zero only: every process draws
+    the same number of ``distill_dataset`` batches)."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        if state.is_world_process_zero and os.path.isdir(folder):
+            data = {"distill_batches": self.trainer._distill_consumed,
+                    "micro_batches": self.trainer._micro_batches,
+                    **{name: float(getattr(self.trainer, name)) for name in _SUMS}}
+            with open(os.path.join(folder, STATE_FILE), "w", encoding="utf-8") as handle:
+                json.dump(data, handle, indent=2)
+        return control
+
+
+def checkpoint_folder(resume_from_checkpoint: Union[str, bool, None], output_dir: str) -> Optional[str]:
+    """The folder ``Trainer.train(resume_from_checkpoint=...)`` resumes from: the path given, the last checkpoint
+    of `output_dir` for True, or None."""
+    if resume_from_checkpoint is True:
+        return get_last_checkpoint(output_dir)
+    if isinstance(resume_from_checkpoint, (str, os.PathLike)):
+        return str(resume_from_checkpoint)
+    return None
+
+
+def restore_state(trainer: Any, folder: Optional[str]) -> None:
+    """Put back what `PrimalStateCallback` saved in `folder` (nothing when the folder has no state file, e.g. a
+    checkpoint written by a plain Trainer: the distillation batches then start from the beginning)."""
+    path = None if folder is None else os.path.join(folder, STATE_FILE)
+    if path is None or not os.path.isfile(path):
+        return
+    with open(path, encoding="utf-8") as handle:
+        data = json.load(handle)
+    trainer._distill_skip = int(data["distill_batches"])
+    trainer._micro_batches = int(data["micro_batches"])
+    for name in _SUMS:
+        setattr(trainer, name, torch.tensor(float(data[name]), dtype=torch.float64))
