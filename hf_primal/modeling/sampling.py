@@ -100,29 +100,35 @@ def _even_positions(length: int, num_samples: int, device: torch.device, rule: s
 def segment_means(x: torch.Tensor, valid: Optional[torch.Tensor], num_samples: int) -> torch.Tensor:
     """(B, N, C) -> (B, p, C): row j is the mean of the valid tokens of ranks [start_j, end_j) (`_interval_bounds`).
 
-    Differences of one running sum over the valid tokens (float64 where available), so the cost is one pass over N
-    whatever p is; the rows are in the dtype of `x`.
+    For L >= p every valid token belongs to exactly one run, the run of rank r being floor(((r + 1) p - 1) / L), so
+    the p sums are one scatter-add over the N tokens (its backward one gather; fp32 or wider); a sequence with
+    L < p takes its one token per slot by a gather, as the ``"even"`` rule does.
     """
     batch, length, width = x.shape
-    acc = accumulator_dtype(x.device)
+    device = x.device
     if valid is None:
-        lengths = torch.full((1, 1), length, dtype=torch.long, device=x.device)
-        summed = x
+        lengths = torch.full((batch, 1), length, dtype=torch.long, device=device)
+        ranks = torch.arange(length, device=device).expand(batch, length)
+        keep = torch.ones(batch, length, dtype=torch.bool, device=device)
     else:
         lengths = valid.sum(dim=1, keepdim=True)
-        summed = x.masked_fill(~valid[:, :, None], 0.0)
+        ranks = valid.long().cumsum(dim=1) - 1
+        keep = valid
+    long_enough = lengths >= num_samples  # (B, 1)
+    run = ((ranks + 1) * num_samples - 1) // lengths.clamp(min=1)
+    rows = run + num_samples * torch.arange(batch, device=device)[:, None]
+    rows = torch.where(keep & long_enough, rows, torch.full_like(rows, batch * num_samples))  # the rest: a spare row
+    wide = torch.promote_types(x.dtype, torch.float32)
+    sums = x.new_zeros(batch * num_samples + 1, width, dtype=wide).index_add(
+        0, rows.reshape(-1), x.reshape(-1, width).to(wide))
     start, end = _interval_bounds(lengths, num_samples)
-    running = torch.cat([summed.new_zeros(batch, 1, width, dtype=acc), summed.cumsum(dim=1, dtype=acc)], dim=1)
-    if valid is None:  # position == rank
-        upper, lower = running.index_select(1, end[0]), running.index_select(1, start[0])
-    else:
-        # Prefix sum before the token of rank r = running sum at that token's position (zeroed padding adds nothing).
-        counts = valid.long().cumsum(dim=1)
-        at = lambda ranks: torch.searchsorted(counts, ranks + 1).clamp(max=length)  # noqa: E731
-        upper = torch.gather(running, 1, at(end - 1)[:, :, None].add(1).clamp(max=length).expand(-1, -1, width))
-        lower = torch.gather(running, 1, at(start)[:, :, None].expand(-1, -1, width))
-    size = (torch.minimum(end, lengths.clamp(min=1)) - start).clamp(min=1)
-    return ((upper - lower) / size[:, :, None].to(acc)).to(x.dtype)
+    means = (sums[:-1].view(batch, num_samples, width) / (end - start)[:, :, None].to(wide)).to(x.dtype)
+    if bool(long_enough.all()):
+        return means
+    counts = keep.long().cumsum(dim=1)
+    single = torch.searchsorted(counts, start + 1).clamp(max=length - 1)  # the token of rank start_j
+    tokens = torch.gather(x, 1, single[:, :, None].expand(-1, -1, width))
+    return torch.where(long_enough[:, :, None], means, tokens)
 
 
 def _sample_tokens(
