@@ -13,9 +13,14 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from .sampling import _sample_tokens, accumulator_dtype
+from .sampling import _sample_tokens
 
 NORM_EPS = 1e-12
+
+
+def _accumulator_dtype(device: torch.device) -> torch.dtype:
+    # MPS has no float64; elsewhere float64 keeps "total - total at the segment start" exact to fp32 precision.
+    return torch.float32 if device.type == "mps" else torch.float64
 
 
 def segment_starts(segments: torch.Tensor) -> torch.Tensor:
@@ -36,7 +41,7 @@ def _segmented_cumsum(v: torch.Tensor, starts: torch.Tensor, dim: int) -> torch.
     `starts` is `segment_starts(...)`, (B, L), broadcast over the other axes of `v`; subtracting the exclusive
     sum at the segment start keeps this a single cumsum + gather, without a loop over segments.
     """
-    acc = accumulator_dtype(v.device)
+    acc = _accumulator_dtype(v.device)
     total = torch.cumsum(v, dim=dim, dtype=acc)
     exclusive = total - v.to(acc)
     shape = [1] * v.dim()

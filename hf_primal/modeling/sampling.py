@@ -14,12 +14,6 @@ import torch
 from .config import SAMPLING_RULES
 
 
-def accumulator_dtype(device: torch.device) -> torch.dtype:
-    """The dtype of long running sums: float64 where the device has it (MPS has not), so that differences of
-    prefix sums keep fp32 precision however long the sequence."""
-    return torch.float32 if device.type == "mps" else torch.float64
-
-
 def _interval_bounds(lengths: torch.Tensor, num_samples: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Ranks [start_j, end_j) of the interval of slot j: (B, 1) lengths -> 2 x (B, p).
 
