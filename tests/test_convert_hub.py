@@ -144,7 +144,7 @@ def test_calibration_lowers_every_layer_error(arch, target):
     plain = convert(copy.deepcopy(stock), spec).eval()
     torch.manual_seed(1)
     model = convert(copy.deepcopy(stock), spec, calibration_data=_batches(arch, seed=0), method="transfer", steps=60,
-                    learning_rate=3e-3, target=target, progress=False).eval()
+                    learning_rate=1e-3, target=target, progress=False).eval()
     report = model.primal_conversion_report
     assert [r["layer"].split(".")[-3 if arch == "bert" else -2] for r in report["layers"]] == ["1", "2"]
     for row in report["layers"]:

@@ -179,6 +179,26 @@ def test_segment_mean_core_matches_the_reference(mask):
                           atol=1e-6)
 
 
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_segment_mean_gradient_spreads_each_slot_over_its_run_in_a_mixed_batch(side):
+    # A batch mixing sequences longer and shorter than p: the gradient at the token of rank r is the sum over the slots
+    # whose run holds r of (slot's upstream gradient) / (run length), and zero at padding, never NaN.
+    from hf_primal.modeling.sampling import segment_means
+
+    lengths, total, p, width = [11, 4, 6], 12, 6, 3
+    valid = _padded(lengths, total, side)
+    x = torch.randn(len(lengths), total, width, dtype=torch.float64, requires_grad=True)
+    upstream = torch.randn(len(lengths), p, width, dtype=torch.float64)
+    (segment_means(x, valid, p) * upstream).sum().backward()
+    expected = torch.zeros_like(x)
+    for b, L in enumerate(lengths):
+        positions = valid[b].nonzero().flatten().tolist()
+        for j, run in enumerate(reference_slot_runs(L, p)):
+            for rank in run:
+                expected[b, positions[rank]] += upstream[b, j] / len(run)
+    assert torch.allclose(x.grad, expected, atol=1e-12)
+
+
 def test_jitter_draws_a_token_of_each_interval_while_training_and_samples_evenly_at_inference():
     lengths, total, p = [40, 23, 6], 44, 8  # 6 < p: every interval holds one token
     valid = _padded(lengths, total, "left")

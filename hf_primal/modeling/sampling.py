@@ -117,8 +117,8 @@ def segment_means(x: torch.Tensor, valid: Optional[torch.Tensor], num_samples: i
         0, rows.reshape(-1), x.reshape(-1, width).to(wide))
     start, end = _interval_bounds(lengths, num_samples)
     means = (sums[:-1].view(batch, num_samples, width) / (end - start)[:, :, None].to(wide)).to(x.dtype)
-    if bool(long_enough.all()):
-        return means
+    # Both branches are always computed: a data-dependent early return would break torch.compile graphs, and the
+    # (B, p) gather costs little next to the scatter-add.
     counts = keep.long().cumsum(dim=1)
     single = torch.searchsorted(counts, start + 1).clamp(max=length - 1)  # the token of rank start_j
     tokens = torch.gather(x, 1, single[:, :, None].expand(-1, -1, width))
