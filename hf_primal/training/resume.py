@@ -3,6 +3,10 @@ ends: how many batches of ``distill_dataset`` were drawn (its loader is reshuffl
 drawing them again from the start replays the same order) and the running sums behind the logged KSVD, task and
 distillation losses. Transformers saves and restores everything else (weights, optimizer, scheduler, RNG states,
 the training data's position).
+
+The running sums are per process (each process sums the losses of its own shard until the next log gathers them),
+so under ``accelerate launch`` every process writes and reads its own file, as transformers does with
+``rng_state_{i}.pth``.
 """
 
 from __future__ import annotations
@@ -19,20 +23,25 @@ STATE_FILE = "primal_trainer_state.json"
 _SUMS = ("_ksvd_sum", "_task_sum", "_distill_sum")
 
 
+def state_file(process_index: int, world_size: int) -> str:
+    """`STATE_FILE` in a single process; ``primal_trainer_state_{i}.json`` for process i of several."""
+    return STATE_FILE if world_size <= 1 else STATE_FILE.replace(".json", f"_{process_index}.json")
+
+
 class PrimalStateCallback(TrainerCallback):
-    """Writes `STATE_FILE` into every checkpoint folder the trainer saves (process zero only: every process draws
-    the same number of ``distill_dataset`` batches)."""
+    """Writes this process's `state_file` into every checkpoint folder the trainer saves."""
 
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        if state.is_world_process_zero and os.path.isdir(folder):
+        filename = state_file(args.process_index, args.world_size)
+        if os.path.isdir(folder):
             data = {"distill_batches": self.trainer._distill_consumed,
                     "micro_batches": self.trainer._micro_batches,
                     **{name: float(getattr(self.trainer, name)) for name in _SUMS}}
-            with open(os.path.join(folder, STATE_FILE), "w", encoding="utf-8") as handle:
+            with open(os.path.join(folder, filename), "w", encoding="utf-8") as handle:
                 json.dump(data, handle, indent=2)
         return control
 
@@ -48,9 +57,10 @@ def checkpoint_folder(resume_from_checkpoint: Union[str, bool, None], output_dir
 
 
 def restore_state(trainer: Any, folder: Optional[str]) -> None:
-    """Put back what `PrimalStateCallback` saved in `folder` (nothing when the folder has no state file, e.g. a
-    checkpoint written by a plain Trainer: the distillation batches then start from the beginning)."""
-    path = None if folder is None else os.path.join(folder, STATE_FILE)
+    """Put back what `PrimalStateCallback` saved in `folder` for this process (nothing when the folder has no state
+    file, e.g. a checkpoint written by a plain Trainer: the distillation batches then start from the beginning)."""
+    filename = state_file(trainer.args.process_index, trainer.args.world_size)
+    path = None if folder is None else os.path.join(folder, filename)
     if path is None or not os.path.isfile(path):
         return
     with open(path, encoding="utf-8") as handle:
