@@ -74,5 +74,11 @@ def test_two_processes_killed_after_a_checkpoint_resume_to_the_uninterrupted_res
     assert expected["world_size"] == got["world_size"] == 2
     for name, value in expected["params"].items():
         assert torch.equal(value, got["params"][name]), (name, (value - got["params"][name]).abs().max())
+    # hf_primal's terms (distillation, KSVD, task) logged at step 4 average steps 3 and 4 as in the uninterrupted run:
+    # each process's step-3 sums came back from its own file. Transformers' own "loss" restarts its window at a
+    # resume (step 4 then averages step 4 alone), so it is compared from the first window after the checkpoint.
     after = [entry for entry in expected["losses"] if entry[0] > 3]
-    assert after and [entry for entry in got["losses"] if entry[0] > 3] == after
+    resumed_after = [entry for entry in got["losses"] if entry[0] > 3]
+    assert [entry[0] for entry in after] == [entry[0] for entry in resumed_after] == [4, 6]
+    assert [entry[2:] for entry in resumed_after] == [entry[2:] for entry in after]
+    assert resumed_after[1][1] == after[1][1]

@@ -59,8 +59,8 @@ def main(mode: str, phase: str, out: str) -> None:
     if phase == "killed":
         trainer.add_callback(KillAfterCheckpoint())
     trainer.train(resume_from_checkpoint=True if phase == "resume" else None)
-    losses = [(h["step"], h["loss"], h.get("distill_loss"), h["ksvd_loss"]) for h in trainer.state.log_history
-              if "loss" in h]
+    losses = [(h["step"], h["loss"], h.get("distill_loss"), h["ksvd_loss"], h["task_loss"])
+              for h in trainer.state.log_history if "loss" in h]
     if trainer.args.process_index == 0:
         torch.save({"params": {k: v.detach().clone() for k, v in model.state_dict().items()}, "losses": losses,
                     "world_size": trainer.args.world_size}, os.path.join(out, "final.pt"))
