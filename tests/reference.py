@@ -120,3 +120,65 @@ def reference_layer_J(e, r, valid, Lambda, We, Wr):
         per_seq.append(se / n_valid + sr / n_valid - trace)
         tot_e, tot_r, tot_n = tot_e + se, tot_r + sr, tot_n + n_valid
     return per_seq, tot_e / tot_n + tot_r / tot_n - trace
+
+
+@torch.no_grad()
+def reference_kep_svgp(x, q, k, valid, We, Wr, theta, m_u, tril, log_diag, out_w, out_b, eps, covariance,
+                       rule="even"):
+    """KEP-SVGP layer, token by token (docs/method.md, "KEP-SVGP"; the authors' layer for "reference").
+
+    Per head h and valid token n: z = e + r (the primal scores), v_a = z_a exp(2 theta_a), mean f_j = sum_a v_a
+    m_u[a, j]; "reference": noise_j = sum_{a, i} v_a L[a, i, j] eps[i] with L[a, i, j] = exp(log_diag[a, i]) if
+    i == j, tril[a, i, j] if i > j, else 0; "consistent": noise_j = sum_{a, i} v_a L_j[a, i] eps[j, i] with L_j[a, i]
+    = exp(log_diag[j, a]) if a == i, tril[j, a, i] if a > i, else 0. y = out(f + noise); zero at padding.
+    `eps` (B, H, N, s) or (B, H, N, s, s); None: the posterior mean.
+    """
+    B, H, N, d = q.shape
+    s = We.shape[2]
+    _, e_all, r_all = reference_noncausal(x, q, k, valid, We, Wr, torch.zeros(d, 2 * s), torch.zeros(d), rule)
+    y = torch.zeros(B, H, N, d, dtype=torch.float64)
+
+    def entry(h, first, second, third):
+        # The factor entry, read as the authors' L[a, i, j] (reference) or L_j[a, i] stored [j, a, i] (consistent).
+        if covariance == "reference":
+            a, i, j = first, second, third
+            return (float(log_diag[h, a, i].double().exp()) if i == j else float(tril[h, a, i, j]) if i > j else 0.0)
+        j, a, i = first, second, third
+        return float(log_diag[h, j, a].double().exp()) if a == i else float(tril[h, j, a, i]) if a > i else 0.0
+
+    for b in range(B):
+        for h in range(H):
+            for n in range(N):
+                if not bool(valid[b, n]):
+                    continue
+                v = [float(e_all[b, h, n, a] + r_all[b, h, n, a]) * float((2 * theta[h, a].double()).exp())
+                     for a in range(s)]
+                f = [sum(v[a] * float(m_u[h, a, j]) for a in range(s)) for j in range(s)]
+                if eps is not None:
+                    for j in range(s):
+                        if covariance == "reference":
+                            f[j] += sum(v[a] * entry(h, a, i, j) * float(eps[b, h, n, i])
+                                        for a in range(s) for i in range(s))
+                        else:
+                            f[j] += sum(v[a] * entry(h, j, a, i) * float(eps[b, h, n, j, i])
+                                        for a in range(s) for i in range(s))
+                y[b, h, n] = torch.tensor(f, dtype=torch.float64) @ out_w.double().T + out_b.double()
+    return y, e_all, r_all
+
+
+def reference_kep_kl(theta, m_u, tril, log_diag):
+    """The KL term of the authors' code, written term by term from its statement (reference reading):
+    1/2 sum_{h,a,i,j} exp(4 theta[h,a]) L[h,a,i,j]^2 + 1/2 sum_{h,a,j} exp(4 theta[h,a]) m_u[h,a,j]^2
+    - sum log_diag - 2 s sum theta - s^2 H / 2."""
+    H, s = theta.shape
+    total = 0.0
+    for h in range(H):
+        for a in range(s):
+            w = float((4 * theta[h, a].double()).exp())
+            for i in range(s):
+                for j in range(s):
+                    value = float(log_diag[h, a, i].double().exp()) if i == j else float(tril[h, a, i, j]) if i > j else 0.0
+                    total += 0.5 * w * value ** 2
+            for j in range(s):
+                total += 0.5 * w * float(m_u[h, a, j]) ** 2
+    return total - float(log_diag.double().sum()) - 2 * s * float(theta.double().sum()) - 0.5 * s * s * H

@@ -1,0 +1,117 @@
+"""KEP-SVGP attention (hf_primal/modeling/kep_svgp.py) against the token-by-token reference (tests/reference.py), the
+closed-form Gaussian KL of torch.distributions, and its own posterior-mean path."""
+
+import pytest
+import torch
+from torch.distributions import MultivariateNormal, kl_divergence
+
+from hf_primal.modeling.kep_svgp import KEPSVGPCore
+from hf_primal.modeling.primal import ksvd_objective
+from tests.reference import reference_kep_kl, reference_kep_svgp, reference_layer_J
+from tests.test_sampling import _padded
+
+H, D, S, P = 2, 4, 3, 5
+
+
+def _core(covariance, samples=P):
+    torch.manual_seed(0)
+    core = KEPSVGPCore(H, D, S, samples).double()
+    core.covariance = covariance
+    with torch.no_grad():
+        core.theta.uniform_(-0.5, 0.5)
+        core.out.bias.normal_()  # a visible bias: padded rows must still come out exactly zero
+    return core
+
+
+def _inputs(batch=3, length=8, mask="right"):
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(batch, H, length, D, generator=g, dtype=torch.float64)
+    k = torch.randn(batch, H, length, D, generator=g, dtype=torch.float64)
+    x = torch.randn(batch, length, H * D, generator=g, dtype=torch.float64)
+    valid = _padded([8, 6, 3], length, mask) if mask else torch.ones(batch, length, dtype=torch.bool)
+    return q, k, x, valid
+
+
+def _params(core):
+    return (core.We, core.Wr, core.theta, core.m_u, core.tril, core.log_diag, core.out.weight, core.out.bias)
+
+
+@pytest.mark.parametrize("covariance", ["reference", "consistent"])
+@pytest.mark.parametrize("mask", [None, "right", "left"])
+def test_layer_matches_the_token_by_token_reference_on_a_fixed_draw(covariance, mask):
+    core = _core(covariance).eval()
+    q, k, x, valid = _inputs(mask=mask)
+    shape = (3, H, 8, S) if covariance == "reference" else (3, H, 8, S, S)
+    eps = torch.randn(shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    with torch.no_grad():
+        y, terms = core.noncausal(q, k, x, None if mask is None else valid, eps=eps)
+        mean, _ = core.noncausal(q, k, x, None if mask is None else valid)
+    expected, e_ref, r_ref = reference_kep_svgp(x, q, k, valid, *_params(core), eps, covariance)
+    expected_mean, _, _ = reference_kep_svgp(x, q, k, valid, *_params(core), None, covariance)
+    assert (y - expected).abs().max() < 1e-10
+    assert (mean - expected_mean).abs().max() < 1e-10
+    assert (y - mean).abs().max() > 1e-3  # the draw shows
+    # KSVD terms with lambda = exp(theta) (lambda^2 = exp(2 theta)), as a primal layer with Lambda = exp(theta).
+    per_seq, _ = reference_layer_J(e_ref, r_ref, valid, core.theta.exp(), core.We, core.Wr)
+    assert torch.allclose(ksvd_objective(terms, "sequence"), torch.tensor(per_seq, dtype=torch.float64), atol=1e-9)
+
+
+def test_reference_kl_is_the_formula_of_the_authors_code():
+    core = _core("reference")
+    assert float(core.kl_divergence().detach()) == pytest.approx(
+        reference_kep_kl(core.theta, core.m_u, core.tril, core.log_diag), rel=1e-12)
+
+
+def test_consistent_kl_is_the_gaussian_kl_of_what_it_samples():
+    core = _core("consistent")
+    L = core.factors()  # [h, j, a, i]
+    total = 0.0
+    for h in range(H):
+        prior = MultivariateNormal(torch.zeros(S, dtype=torch.float64),
+                                   covariance_matrix=torch.diag((-4 * core.theta[h]).exp()).detach())
+        for j in range(S):
+            posterior = MultivariateNormal(core.m_u[h, :, j].detach(), scale_tril=L[h, j].detach())
+            total += float(kl_divergence(posterior, prior))
+    assert float(core.kl_divergence().detach()) == pytest.approx(total, rel=1e-10)
+    # ... and its samples have that covariance: noise of v = unit vector a is row a of L_j times eps.
+    v = torch.zeros(1, H, 1, S, dtype=torch.float64)
+    v[..., 0] = 1.0
+    draws = torch.stack([core.noise(v)[0, :, 0] for _ in range(4000)])  # (T, H, s)
+    expected_var = L[:, :, 0, :].square().sum(-1)  # Var noise_j = ||L_j[0, :]||^2
+    assert torch.allclose(draws.var(0), expected_var.detach(), rtol=0.1)
+
+
+def test_zero_noise_is_the_posterior_mean_and_eval_is_deterministic_unless_asked():
+    core = _core("consistent")
+    q, k, x, valid = _inputs()
+    with torch.no_grad():
+        core.eval()
+        mean, _ = core.noncausal(q, k, x, valid)
+        zero, _ = core.noncausal(q, k, x, valid, eps=torch.zeros(3, H, 8, S, S, dtype=torch.float64))
+        again, _ = core.noncausal(q, k, x, valid)
+        core.sample_in_eval = True
+        core.generator = torch.Generator().manual_seed(5)
+        first, _ = core.noncausal(q, k, x, valid)
+        core.generator = torch.Generator().manual_seed(5)
+        second, _ = core.noncausal(q, k, x, valid)
+        core.sample_in_eval = False
+        core.train()
+        trained_a, _ = core.noncausal(q, k, x, valid)
+        trained_b, _ = core.noncausal(q, k, x, valid)
+    assert torch.equal(mean, zero) and torch.equal(mean, again)
+    assert torch.equal(first, second) and (first - mean).abs().max() > 1e-3  # seeded draws repeat
+    assert (trained_a - trained_b).abs().max() > 1e-3  # training draws afresh
+    pad = ~valid
+    assert (first.transpose(1, 2)[pad] == 0).all() and (trained_a.transpose(1, 2)[pad] == 0).all()
+
+
+def test_gp_math_runs_in_fp32_under_low_precision_inputs():
+    core = _core("consistent").float()
+    with torch.no_grad():
+        core.theta.fill_(3.0)  # exp(4 theta) = 1.6e5 * ...: beyond fp16 (max 65504)
+    q, k, x, valid = (t.half() if t.is_floating_point() else t for t in _inputs())
+    kl = core.half().kl_divergence()
+    assert kl.dtype == torch.float32 and torch.isfinite(kl)
+    with torch.no_grad():
+        y, terms = core.eval().noncausal(q, k, x, valid)
+    assert y.dtype == torch.float16 and torch.isfinite(y).all() and torch.isfinite(terms.e_sum).all()
