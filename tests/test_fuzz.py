@@ -31,7 +31,9 @@ from tests.conftest import cache_kw
 # ------------------------------------------------------------------ the field rules, written from the docs
 RULES = ("even", "legacy", "segment_mean", "jitter")
 REDUCTIONS = ("sequence", "batch")
-FIELDS = ("layers", "low_rank", "rank_multi", "eta", "ksvd_reduction", "crop_window", "sampling")
+FIELDS = ("layers", "low_rank", "rank_multi", "eta", "ksvd_reduction", "crop_window", "sampling", "variant", "eta_kl",
+          "covariance")
+VARIANTS, COVARIANCES = ("primal", "kep_svgp"), ("consistent", "reference")
 
 
 def _is_int(value):
@@ -55,6 +57,15 @@ def _bad_fields(spec: dict) -> set:
         bad.add("ksvd_reduction")
     if spec.get("sampling", "segment_mean") not in RULES:
         bad.add("sampling")
+    if spec.get("variant", "primal") not in VARIANTS:
+        bad.add("variant")
+    if spec.get("covariance", "consistent") not in COVARIANCES:
+        bad.add("covariance")
+    eta_kl = spec.get("eta_kl", 1.0)
+    if not (isinstance(eta_kl, (int, float)) and not isinstance(eta_kl, bool) and math.isfinite(eta_kl) and eta_kl >= 0):
+        bad.add("eta_kl")
+    if spec.get("variant") != "kep_svgp":  # the KEP-SVGP settings belong to that variant only
+        bad |= {key for key in ("eta_kl", "covariance") if key in spec}
     return bad
 
 
@@ -68,6 +79,8 @@ _valid = {
     "low_rank": st.integers(1, 12), "rank_multi": st.integers(1, 5), "crop_window": st.integers(1, 80),
     "eta": st.one_of(st.floats(0, 10), st.integers(0, 3)),
     "ksvd_reduction": st.sampled_from(REDUCTIONS), "sampling": st.sampled_from(RULES),
+    "variant": st.sampled_from(VARIANTS), "eta_kl": st.one_of(st.floats(0, 10), st.integers(0, 3)),
+    "covariance": st.sampled_from(COVARIANCES),
 }
 _edges = st.sampled_from([True, False, None, 0, -1, 1.0, 2.5, float("nan"), float("inf"), -0.0, "", "all", "4", [],
                           [0, 0], [-1, 1], [True], [0, "1"], [1.0], {"layers": [0]}])
@@ -84,6 +97,8 @@ _field_edges = {
     "crop_window": st.sampled_from(_INT_EDGES),
     "eta": st.sampled_from([0, 0.0, -0.0, -1e-9, float("nan"), float("inf"), True, "0.1", None]),
     "ksvd_reduction": st.sampled_from(_STR_EDGES), "sampling": st.sampled_from(_STR_EDGES),
+    "variant": st.sampled_from(_STR_EDGES + ["kep-svgp", "KEP_SVGP"]), "covariance": st.sampled_from(_STR_EDGES),
+    "eta_kl": st.sampled_from([0, -1e-9, float("nan"), float("inf"), True, "1", None]),
 }
 
 
@@ -112,7 +127,7 @@ def test_random_primal_attention_dicts_round_trip_or_are_refused_naming_the_fiel
     config = PrimalAttentionConfig.from_dict(spec)
     for key, value in spec.items():  # accepted values are kept as given (eta as a float)
         got = getattr(config, key)
-        assert got == value and type(got) is (float if key == "eta" else type(value)), (key, value, got)
+        assert got == value and type(got) is (float if key in ("eta", "eta_kl") else type(value)), (key, value, got)
     assert PrimalAttentionConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
     with tempfile.TemporaryDirectory() as folder:
         transformers.BertConfig(primal_attention=spec).save_pretrained(folder)

@@ -59,7 +59,7 @@ def test_layer_matches_the_token_by_token_reference_on_a_fixed_draw(covariance, 
 def test_reference_kl_is_the_formula_of_the_authors_code():
     core = _core("reference")
     assert float(core.kl_divergence().detach()) == pytest.approx(
-        reference_kep_kl(core.theta, core.m_u, core.tril, core.log_diag), rel=1e-12)
+        reference_kep_kl(*(t.detach() for t in (core.theta, core.m_u, core.tril, core.log_diag))), rel=1e-12)
 
 
 def test_consistent_kl_is_the_gaussian_kl_of_what_it_samples():
@@ -115,3 +115,62 @@ def test_gp_math_runs_in_fp32_under_low_precision_inputs():
     with torch.no_grad():
         y, terms = core.eval().noncausal(q, k, x, valid)
     assert y.dtype == torch.float16 and torch.isfinite(y).all() and torch.isfinite(terms.e_sum).all()
+
+
+# ------------------------------------------------------------------ in models
+KEP = {"layers": [-1], "low_rank": 3, "rank_multi": 2, "variant": "kep_svgp"}
+
+
+@pytest.mark.parametrize("covariance", ["consistent", "reference"])
+def test_bert_layer_is_padding_invariant_and_round_trips_with_and_without_the_plugin(tmp_path, covariance):
+    import json
+
+    from transformers import AutoModel, BertModel
+
+    import hf_primal
+    from tests.conftest import bert_config
+    from tests.test_cli_and_sharing import run_child
+
+    torch.manual_seed(0)
+    model = BertModel(bert_config(primal_attention={**KEP, "covariance": covariance})).eval()
+    core = model.encoder.layer[-1].attention.self.primal
+    assert isinstance(core, KEPSVGPCore) and core.covariance == covariance
+    ids = torch.randint(3, 120, (2, 11), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        alone = model(input_ids=ids[1:, :7]).last_hidden_state
+    assert (alone[0] - expected[1, :7]).abs().max() < 1e-5  # posterior mean: padding does not leak in
+    hf_primal.save_converted(model, tmp_path / "out")
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())["primal_attention"]
+    assert saved["variant"] == "kep_svgp" and saved["covariance"] == covariance
+    loaded = AutoModel.from_pretrained(tmp_path / "out").eval()
+    assert loaded.encoder.layer[-1].attention.self.primal.covariance == covariance
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids, attention_mask=mask).last_hidden_state, expected)
+    torch.save({"ids": ids, "mask": mask, "expected": expected}, tmp_path / "batch.pt")
+    result = run_child(f"""
+        import sys, torch, transformers
+        assert sys.modules["hf_primal"] is None
+        batch = torch.load({str(tmp_path / 'batch.pt')!r})
+        model = transformers.AutoModel.from_pretrained({str(tmp_path / 'out')!r}, trust_remote_code=True).eval()
+        with torch.no_grad():
+            hidden = model(input_ids=batch["ids"], attention_mask=batch["mask"]).last_hidden_state
+        assert torch.equal(hidden, batch["expected"]), (hidden - batch["expected"]).abs().max()
+        print("OK")
+    """, tmp_path, plugin=False)
+    assert "OK" in result.stdout, result.stderr[-3000:]
+
+
+def test_decoders_and_misplaced_settings_are_refused_by_name():
+    from transformers import GPT2LMHeadModel
+
+    from tests.conftest import bert_config, gpt2_config
+
+    with pytest.raises(ValueError, match="variant='kep_svgp' is for encoders only"):
+        GPT2LMHeadModel(gpt2_config(primal_attention={"variant": "kep_svgp"}))
+    with pytest.raises(ValueError, match=r"\['covariance'\] apply to variant='kep_svgp' only"):
+        bert_config(primal_attention={"covariance": "reference"})
+    with pytest.raises(ValueError, match="covariance='full' is not allowed"):
+        bert_config(primal_attention={"variant": "kep_svgp", "covariance": "full"})

@@ -23,6 +23,7 @@ from transformers.cache_utils import Cache
 from .cache import attention_cache_layer
 from .cache_layers import cache_kwarg
 from .config import PrimalAttentionConfig
+from .kep_svgp import KEPSVGPCore
 from .primal import PrimalCore
 from .sampling import num_sampled_tokens
 
@@ -169,6 +170,8 @@ def convert_layers(model: nn.Module, architecture: Architecture, primal_config: 
         if is_primal_attention(module):
             module._primal_crop_window = spec.crop_window
             module.primal.sampling = spec.sampling
+            if isinstance(module.primal, KEPSVGPCore):
+                module.primal.covariance = spec.covariance
             continue
         if not isinstance(module, architecture.attention_class):
             raise ValueError(
@@ -183,7 +186,16 @@ def convert_layers(model: nn.Module, architecture: Architecture, primal_config: 
             )
         samples = 0 if causal else num_sampled_tokens(architecture.max_tokens(config), spec.low_rank, spec.rank_multi)
         reference = getattr(module, architecture.qk_names[0]).weight
-        core = PrimalCore(heads, dim, spec.low_rank, samples, causal)
+        if spec.variant == "kep_svgp":
+            if causal:
+                raise ValueError(
+                    f"primal_attention variant='kep_svgp' is for encoders only; {type(model).__name__} runs its "
+                    "attention causally. Use variant='primal' for decoders."
+                )
+            core = KEPSVGPCore(heads, dim, spec.low_rank, samples)
+            core.covariance = spec.covariance
+        else:
+            core = PrimalCore(heads, dim, spec.low_rank, samples, causal)
         core.sampling = spec.sampling
         module.__class__ = architecture.primal_class
         module.primal = core.to(device=reference.device, dtype=reference.dtype)
@@ -218,6 +230,11 @@ def init_primal_core(core: nn.Module) -> None:
     """docs/method.md, "Initialisation", skipping tensors a checkpoint already filled (transformers' init helpers)."""
     hf_init.orthogonal_(core.We)
     hf_init.orthogonal_(core.Wr)
+    if isinstance(core, KEPSVGPCore):
+        hf_init.uniform_(core.theta, 0.0, 1.0)
+        for tensor in (core.m_u, core.tril, core.log_diag):
+            hf_init.normal_(tensor, 0.0, 1.0)
+        return
     hf_init.uniform_(core.Lambda, 0.0, 1.0)
 
 

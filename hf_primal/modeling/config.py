@@ -23,6 +23,11 @@ _REDUCTIONS = ("sequence", "batch")
 # field was written before "even" existed and keeps the rule it was trained with.
 SAMPLING_RULES = ("even", "legacy", "segment_mean", "jitter")
 SAMPLING_WHEN_NOT_SAVED = "legacy"
+# What a selected layer computes: Primal-Attention, or KEP-SVGP attention (a Gaussian-process head on the same KSVD
+# scores, docs/method.md "KEP-SVGP"), with its two readings of the covariance parameters.
+VARIANTS = ("primal", "kep_svgp")
+COVARIANCES = ("consistent", "reference")
+_KEP_FIELDS = ("eta_kl", "covariance")
 _DEFAULT_CROP_WINDOW = 64  # hf_primal.modeling.cache_layers.DEFAULT_CROP_WINDOW
 
 
@@ -75,6 +80,11 @@ class PrimalAttentionConfig:
             calls ``activate_past_recording`` for those modes) each causal primal layer keeps the running state after
             each of its last W + 1 tokens; cropping more than W tokens at once raises an error. From transformers 5.25
             ``generate`` says how many tokens it drafts per step, and the window widens to that when it is larger.
+        variant: ``"primal"`` (the default) or ``"kep_svgp"``: KEP-SVGP attention (encoders only), whose posterior
+            gives calibrated uncertainty (`hf_primal.predict_with_uncertainty`); docs/method.md, "KEP-SVGP".
+        eta_kl: KEP-SVGP only: weight of the layers' KL term, which `PrimalTrainer` adds beside eta * KSVD.
+        covariance: KEP-SVGP only: ``"consistent"`` (the KL is that of the sampled posterior) or ``"reference"``
+            (the authors' layer and KL, for reproduction).
     """
 
     layers: LayersSpec = field(default_factory=lambda: [-1])
@@ -84,6 +94,9 @@ class PrimalAttentionConfig:
     ksvd_reduction: str = "sequence"
     crop_window: int = _DEFAULT_CROP_WINDOW
     sampling: str = "segment_mean"
+    variant: str = "primal"
+    eta_kl: float = 1.0
+    covariance: str = "consistent"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -133,6 +146,17 @@ class PrimalAttentionConfig:
             raise ValueError(
                 f"PrimalAttentionConfig.sampling={self.sampling!r} is not allowed: use one of {list(SAMPLING_RULES)}."
             )
+        for name, allowed in (("variant", VARIANTS), ("covariance", COVARIANCES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"PrimalAttentionConfig.{name}={getattr(self, name)!r} is not allowed: use one of {list(allowed)}."
+                )
+        if isinstance(self.eta_kl, bool) or not isinstance(self.eta_kl, numbers.Real) or not (
+                0 <= self.eta_kl < float("inf")):
+            raise ValueError(
+                f"PrimalAttentionConfig.eta_kl={self.eta_kl!r} is not allowed: it must be a finite real number >= 0."
+            )
+        self.eta_kl = float(self.eta_kl)
 
     def resolve_layers(self, num_layers: int) -> list[int]:
         """Map `layers` onto ``range(num_layers)``; raises ValueError when an index does not exist."""
@@ -159,11 +183,16 @@ class PrimalAttentionConfig:
 
         ``crop_window`` is written only when it differs from its default, so that checkpoints which do not change
         it keep the fields that earlier hf_primal versions (and remote code copied with them) read. ``sampling`` is
-        always written: its absence marks a config saved before the field existed (`saved_config_dict`).
+        always written: its absence marks a config saved before the field existed (`saved_config_dict`). The
+        KEP-SVGP fields are written only for ``variant="kep_svgp"``, so primal folders keep the fields earlier
+        versions read.
         """
         data = dataclasses.asdict(self)
         if data["crop_window"] == _DEFAULT_CROP_WINDOW:
             del data["crop_window"]
+        if self.variant == "primal":
+            for name in ("variant", *_KEP_FIELDS):
+                del data[name]
         return data
 
     @classmethod
@@ -173,6 +202,12 @@ class PrimalAttentionConfig:
         if unknown:
             raise ValueError(
                 f"primal_attention has unknown field(s) {unknown}; allowed fields are {sorted(allowed)}."
+            )
+        misplaced = [name for name in _KEP_FIELDS if name in data]
+        if misplaced and data.get("variant", "primal") != "kep_svgp":
+            raise ValueError(
+                f"primal_attention field(s) {misplaced} apply to variant='kep_svgp' only; got variant="
+                f"{data.get('variant', 'primal')!r}. Add \"variant\": \"kep_svgp\" or drop them."
             )
         return cls(**dict(data))
 
