@@ -202,7 +202,9 @@ def test_random_cached_decoding_equals_recomputing_every_step(name, layers, prom
             parts.append(model(ids[:, t:t + 1], **cache_kw(cache), use_cache=True).logits)
     cached = torch.cat(parts, dim=1)
     assert torch.isfinite(cached).all()
-    assert float((cached - full).abs().max()) <= 1e-5
+    # fp32 rounding grows with the logits (found by the long profile: 1.0e-5 on logits up to 6.3; the stock BERT
+    # decoder shows 6.7e-6 on logits up to 4.4): a relative bound. A wrong cache state is off by 1e-1 and more.
+    assert float((cached - full).abs().max()) <= 5e-6 * max(1.0, float(full.abs().max()))
 
 
 IMAGES = [n for n in NAMES if CASES[n].image]
