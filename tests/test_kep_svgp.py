@@ -174,3 +174,61 @@ def test_decoders_and_misplaced_settings_are_refused_by_name():
         bert_config(primal_attention={"covariance": "reference"})
     with pytest.raises(ValueError, match="covariance='full' is not allowed"):
         bert_config(primal_attention={"variant": "kep_svgp", "covariance": "full"})
+
+
+# ------------------------------------------------------------------ training
+def _kep_bert(eta_kl, covariance="consistent"):
+    from transformers import BertForSequenceClassification
+
+    from tests.conftest import bert_config
+
+    spec = {**KEP, "eta": 0.5, "eta_kl": eta_kl, "covariance": covariance}
+    return lambda: BertForSequenceClassification(bert_config(primal_attention=spec))
+
+
+def _closed_form_kl(model):
+    # Sum over KEP layers of sum_{h, j} KL(N(m_u[h, :, j], L_j L_j^T) || N(0, diag(exp(-4 theta_h)))), by autograd.
+    total = 0.0
+    for module in model.modules():
+        if isinstance(module, KEPSVGPCore):
+            L = module.factors()
+            for h in range(module.num_heads):
+                prior = MultivariateNormal(torch.zeros(module.low_rank), covariance_matrix=torch.diag((-4 * module.theta[h]).exp()))
+                for j in range(module.low_rank):
+                    total = total + kl_divergence(MultivariateNormal(module.m_u[h, :, j], scale_tril=L[h, j]), prior)
+    return total
+
+
+@pytest.mark.parametrize("ga", [1, 2])
+def test_trainer_adds_eta_kl_times_the_kl_once_per_optimizer_step(tmp_path, ga):
+    from tests.test_loss_trainer import _cls_dataset, _first_step_grads
+
+    with_kl = _first_step_grads(tmp_path / "a", _kep_bert(0.25), _cls_dataset(), bs=8 // ga, ga=ga)
+    without = _first_step_grads(tmp_path / "b", _kep_bert(0.0), _cls_dataset(), bs=8 // ga, ga=ga)
+    torch.manual_seed(0)
+    model = _kep_bert(0.25)()  # the same initial parameters
+    _closed_form_kl(model).backward()
+    kl_grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert {n.rsplit(".", 1)[-1] for n in kl_grads} == {"theta", "m_u", "tril", "log_diag"}
+    for name, grad in with_kl.items():
+        if name.startswith("__"):
+            continue
+        expected = without[name] + 0.25 * kl_grads.get(name, torch.zeros_like(grad))
+        assert torch.allclose(grad, expected, rtol=1e-4, atol=1e-6), (name, (grad - expected).abs().max())
+
+
+def test_trainer_logs_the_kl_and_the_loss_is_the_sum_of_its_terms(tmp_path):
+    from hf_primal import PrimalTrainer
+    from tests.test_loss_trainer import _args, _cls_dataset
+
+    torch.manual_seed(0)
+    model = _kep_bert(0.25)()
+    expected_kl = float(_closed_form_kl(model).detach())
+    trainer = PrimalTrainer(model=model, args=_args(tmp_path, per_device_train_batch_size=4, max_steps=3,
+                                                    logging_steps=1, learning_rate=1e-3),
+                            train_dataset=_cls_dataset(n=12))
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 3 and logs[0]["kl_loss"] == pytest.approx(expected_kl, rel=1e-5)
+    for h in logs:
+        assert h["loss"] == pytest.approx(h["task_loss"] + 0.5 * h["ksvd_loss"] + 0.25 * h["kl_loss"], rel=1e-4)

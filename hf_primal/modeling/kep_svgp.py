@@ -70,6 +70,7 @@ class KEPSVGPCore(nn.Module):
         # draws one sample per forward. `generator` (or the global RNG of the inputs' device) draws the noise.
         self.sample_in_eval = False
         self.generator: Optional[torch.Generator] = None
+        self.kl_term: Optional[torch.Tensor] = None
         self.reset_parameters()
 
     def extra_repr(self) -> str:
@@ -144,6 +145,8 @@ class KEPSVGPCore(nn.Module):
         """(y, KSVD terms, None), as `PrimalCore.forward` for a non-causal layer."""
         if x is None:
             raise ValueError("KEP-SVGP attention needs the layer input `x` to sample tokens from")
+        # The KL, for the trainer's loss: computed here, where the parameters are whole even when sharded (FSDP).
+        self.kl_term = self.kl_divergence() if torch.is_grad_enabled() else None
         if segments is not None:
             packing = _Packing.build(segments)
             y, terms = self.noncausal(*packing.pack_inputs(q, k, x, valid))

@@ -80,7 +80,20 @@ def ksvd_loss(model: nn.Module, reduction: Optional[str] = None) -> torch.Tensor
     return ksvd_from_terms(collect_ksvd_terms(model), reduction)
 
 
+def kl_from_model(model: nn.Module) -> Optional[torch.Tensor]:
+    """The KL term of the model's KEP-SVGP layers, summed over layers (fp32 scalar, differentiable), or None when it
+    has none. Each layer's KL depends on its parameters only; the one its last forward computed (where sharded
+    parameters are whole) is used, else it is computed now."""
+    cores = [m.primal for m in _primal_modules(model) if hasattr(m.primal, "kl_divergence")]
+    if not cores:
+        return None
+    terms = [core.kl_term if getattr(core, "kl_term", None) is not None else core.kl_divergence() for core in cores]
+    return torch.stack([t.float() for t in terms]).sum()
+
+
 def clear_ksvd_terms(model: nn.Module) -> None:
     """Drop the kept terms (and the graph they hold) from every primal layer."""
     for module in _primal_modules(model):
         module.ksvd_terms = None
+        if hasattr(module.primal, "kl_term"):
+            module.primal.kl_term = None

@@ -15,12 +15,10 @@ import json
 import os
 from typing import Any, Optional, Union
 
-import torch
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 STATE_FILE = "primal_trainer_state.json"
-_SUMS = ("_ksvd_sum", "_task_sum", "_distill_sum")
 
 
 def state_file(process_index: int, world_size: int) -> str:
@@ -38,9 +36,7 @@ class PrimalStateCallback(TrainerCallback):
         folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         filename = state_file(args.process_index, args.world_size)
         if os.path.isdir(folder):
-            data = {"distill_batches": self.trainer._distill_consumed,
-                    "micro_batches": self.trainer._micro_batches,
-                    **{name: float(getattr(self.trainer, name)) for name in _SUMS}}
+            data = {"distill_batches": self.trainer._distill_consumed, **self.trainer._loss_sums.state_dict()}
             with open(os.path.join(folder, filename), "w", encoding="utf-8") as handle:
                 json.dump(data, handle, indent=2)
         return control
@@ -66,6 +62,4 @@ def restore_state(trainer: Any, folder: Optional[str]) -> None:
     with open(path, encoding="utf-8") as handle:
         data = json.load(handle)
     trainer._distill_skip = int(data["distill_batches"])
-    trainer._micro_batches = int(data["micro_batches"])
-    for name in _SUMS:
-        setattr(trainer, name, torch.tensor(float(data[name]), dtype=torch.float64))
+    trainer._loss_sums.load_state_dict(data)

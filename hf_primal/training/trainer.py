@@ -1,5 +1,6 @@
-"""`PrimalTrainer`: `transformers.Trainer` plus eta * KSVD loss (docs/method.md, "The KSVD loss"), an optional
-knowledge-distillation term from a teacher model, and a learning rate of its own for the new primal parameters."""
+"""`PrimalTrainer`: `transformers.Trainer` plus eta * KSVD loss (docs/method.md, "The KSVD loss"), eta_kl * KL for
+KEP-SVGP layers, an optional knowledge-distillation term from a teacher model, and a learning rate of its own for the
+new primal parameters."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from ..modeling.architecture import primal_attention_modules
 from ..modeling.config import PrimalAttentionConfig
 from ..models import find_architecture
 from .calibration import input_columns
-from .loss import REDUCTIONS, clear_ksvd_terms, collect_ksvd_terms, ksvd_from_terms, primal_model
+from .loss import REDUCTIONS, clear_ksvd_terms, collect_ksvd_terms, kl_from_model, ksvd_from_terms, primal_model
 from .resume import PrimalStateCallback, checkpoint_folder, restore_state
+from .running_losses import LossSums
 from .teacher_loss import check_compatible, resolve_target, student_teacher_loss
 
 # Chosen by measurement: fine-tuning all-MiniLM-L6-v2 with its last layer primal on BBC News sentences (1 epoch,
@@ -124,13 +126,6 @@ def _checked_primal_learning_rate(primal_learning_rate: Optional[float], learnin
     return float(primal_learning_rate) if primal_learning_rate is not None else PRIMAL_LR_MULTIPLIER * learning_rate
 
 
-def _accumulate(total: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """`total` + `value`, kept on the loss's device: copying to the host every micro-batch would stall an
-    accelerator once per step. Float64 where the device has it (MPS has none)."""
-    wide = torch.float32 if value.device.type == "mps" else torch.float64
-    return total.to(value.device, wide) + value.detach().to(wide)
-
-
 class PrimalTrainer(Trainer):
     """A `Trainer` that adds ``eta * ksvd_loss(model)`` to the task loss of models with primal layers.
 
@@ -153,8 +148,12 @@ class PrimalTrainer(Trainer):
             converted model). Override `create_optimizer` as with any Trainer for other groupings.
         All other arguments are those of `transformers.Trainer`.
 
-    Logs ``ksvd_loss``, ``task_loss`` (and ``distill_loss`` with a teacher) at every logging step (so they reach
-    ``state.log_history``, the progress bar and reporters such as TensorBoard) and ``eval_ksvd_loss`` at evaluation.
+    Models with KEP-SVGP layers (``variant="kep_svgp"``) also get ``eta_kl * KL`` (their ``primal_attention["eta_kl"]``),
+    once per optimizer step whatever the gradient accumulation.
+
+    Logs ``ksvd_loss``, ``task_loss`` (and ``distill_loss`` with a teacher, ``kl_loss`` with KEP-SVGP layers) at every
+    logging step (so they reach ``state.log_history``, the progress bar and reporters such as TensorBoard) and
+    ``eval_ksvd_loss`` at evaluation.
     """
 
     def __init__(
@@ -175,6 +174,8 @@ class PrimalTrainer(Trainer):
         check_trainer_instance(self)
         spec = _primal_spec(primal_model(self.model))
         self.ksvd_weight, self.ksvd_reduction = _ksvd_settings(spec, ksvd_weight, ksvd_reduction)
+        self.kl_weight = PrimalAttentionConfig.coerce(spec).eta_kl
+        self._has_kl = PrimalAttentionConfig.coerce(spec).variant == "kep_svgp"
         _refuse_reentrant_checkpointing(self.args)
         self._num_items_checked = False
         if self.args.ddp_find_unused_parameters is None:
@@ -190,10 +191,7 @@ class PrimalTrainer(Trainer):
         self._distill_consumed = self._distill_skip = 0  # batches drawn; to draw again on resume (resume.py)
         self.add_callback(PrimalStateCallback(self))
         self.primal_learning_rate = _checked_primal_learning_rate(primal_learning_rate, self.args.learning_rate)
-        self._ksvd_sum = torch.zeros((), dtype=torch.float64)
-        self._distill_sum = torch.zeros((), dtype=torch.float64)
-        self._task_sum = torch.zeros((), dtype=torch.float64)
-        self._micro_batches = 0
+        self._loss_sums = LossSums()
         self._eval_ksvd: list[torch.Tensor] = []
 
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
@@ -337,6 +335,7 @@ class PrimalTrainer(Trainer):
                 "PrimalTrainer: the KSVD term has no gradient although the task loss has one (was the forward run "
                 "under reentrant gradient checkpointing or no_grad?); refusing to train without the regulariser."
             )
+        kl = kl_from_model(model)  # KEP-SVGP layers: parameters only, once per micro-batch (None without them)
         clear_ksvd_terms(model)
         # Trainer divides the returned loss by the accumulation steps unless it believes the loss is already
         # normalised over the accumulated batch; the KSVD term is a per-micro-batch mean, so scale it to match.
@@ -344,17 +343,20 @@ class PrimalTrainer(Trainer):
         steps = max(int(getattr(self, "current_gradient_accumulation_steps", 1) or 1), 1)
         factor = 1.0 / steps if scaled else 1.0
         loss = task_loss + (self.ksvd_weight * factor) * ksvd.to(task_loss.dtype)
+        if kl is not None:
+            loss = loss + (self.kl_weight * factor) * kl.to(task_loss.dtype)
+            self._loss_sums.add("kl", kl)
         if distilling and self.distill_dataset is not None:
             unlabeled, unlabeled_ksvd = self._unlabeled_terms(model)
             distill, ksvd = distill + unlabeled, ksvd + unlabeled_ksvd
             loss = loss + (self.ksvd_weight * factor) * unlabeled_ksvd.to(task_loss.dtype)
         if distilling:
             loss = loss + (self.distill_weight * factor) * distill.to(task_loss.dtype)
-            self._distill_sum = _accumulate(self._distill_sum, distill)
-        self._ksvd_sum = _accumulate(self._ksvd_sum, ksvd)
+            self._loss_sums.add("distill", distill)
+        self._loss_sums.add("ksvd", ksvd)
         # What this micro-batch adds to the optimizer step's task loss, in the units Trainer logs "loss" in.
-        self._task_sum = _accumulate(self._task_sum, task_loss * (1.0 if scaled else 1.0 / steps))
-        self._micro_batches += 1
+        self._loss_sums.add("task", task_loss * (1.0 if scaled else 1.0 / steps))
+        self._loss_sums.micro_batches += 1
         return (loss, outputs) if return_outputs else loss
 
     # ------------------------------------------------------------------ evaluation
@@ -381,20 +383,14 @@ class PrimalTrainer(Trainer):
 
     # ------------------------------------------------------------------ logging
     def log(self, logs: dict[str, float], start_time: Optional[float] = None) -> None:
-        if "loss" in logs and self._micro_batches > 0:
+        if "loss" in logs and self._loss_sums.micro_batches > 0:
             steps = max(int(getattr(self, "current_gradient_accumulation_steps", 1) or 1), 1)
-            local = torch.stack([(total / count).to(self.args.device, torch.float32) for total, count in (
-                (self._ksvd_sum, self._micro_batches),
-                (self._task_sum, self._micro_batches / steps),
-                (self._distill_sum, self._micro_batches),
-            )])
-            gathered = self.accelerator.gather(local[None]).mean(dim=0)
-            logs["ksvd_loss"] = round(float(gathered[0]), 6)
-            logs["task_loss"] = round(float(gathered[1]), 6)
+            local = self._loss_sums.means(steps, self.args.device)
+            ksvd, task, distill, kl = self.accelerator.gather(local[None]).mean(dim=0).tolist()
+            logs["ksvd_loss"], logs["task_loss"] = round(ksvd, 6), round(task, 6)
             if self.teacher is not None:
-                logs["distill_loss"] = round(float(gathered[2]), 6)
-            self._ksvd_sum.zero_()
-            self._task_sum.zero_()
-            self._distill_sum.zero_()
-            self._micro_batches = 0
+                logs["distill_loss"] = round(distill, 6)
+            if self._has_kl:
+                logs["kl_loss"] = round(kl, 6)
+            self._loss_sums.reset()
         super().log(logs, start_time)
