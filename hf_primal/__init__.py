@@ -35,6 +35,7 @@ __all__ = [
     "LayerSpectrum",
     "attention_spectrum",
     "plot_attention_spectrum",
+    "predict_with_uncertainty",
 ]
 
 _LOADED = False
@@ -59,6 +60,7 @@ def _import_all() -> None:
     from .tools.convert import convert, text_batches
     from .tools.embedding_metrics import knn_accuracy, neighbour_overlap
     from .tools.selection import LayerSensitivity, layer_sensitivity
+    from .tools.uncertainty import predict_with_uncertainty
     from .training.lora import lora_config
     from .training.loss import clear_ksvd_terms, ksvd_loss
     from .training.trainer import PrimalTrainer
