@@ -32,6 +32,11 @@ def test_summaries_equal_the_hand_computed_ones_over_the_same_draws():
     model = _model(primal_attention=KEP)
     batch = _batch()
     out = hf_primal.predict_with_uncertainty(model, batch, samples=4, seed=7, batch_size=3)
+    # The model is left as it was: eval mode, deterministic posterior mean.
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
+    with torch.no_grad():
+        a, b = (model(**inputs).logits for _ in range(2))
+    assert not model.training and torch.equal(a, b)
     # By hand: batches of 3 then 2 rows, 4 passes each, KEP noise from one generator seeded 7, in that order.
     core = next(m for m in model.modules() if isinstance(m, KEPSVGPCore))
     core.sample_in_eval, core.generator = True, torch.Generator().manual_seed(7)
@@ -57,10 +62,6 @@ def test_summaries_equal_the_hand_computed_ones_over_the_same_draws():
                           atol=1e-5)
     assert (out.mutual_information > 1e-6).all()  # the posterior draws disagree
     assert torch.allclose(out.variance.double(), probs_t.var(1, unbiased=False), atol=1e-6)
-    # The model is left as it was: eval mode, deterministic posterior mean.
-    with torch.no_grad():
-        a, b = (model(**{k: batch[k] for k in ("input_ids", "attention_mask")}).logits for _ in range(2))
-    assert not model.training and torch.equal(a, b) and not core.sample_in_eval
 
 
 def test_same_seed_same_result_other_seed_other_draws_one_pass_no_mutual_information():
