@@ -177,7 +177,8 @@ def reference_kep_kl(theta, m_u, tril, log_diag):
             w = float((4 * theta[h, a].double()).exp())
             for i in range(s):
                 for j in range(s):
-                    value = float(log_diag[h, a, i].double().exp()) if i == j else float(tril[h, a, i, j]) if i > j else 0.0
+                    value = (float(log_diag[h, a, i].double().exp()) if i == j
+                             else float(tril[h, a, i, j]) if i > j else 0.0)
                     total += 0.5 * w * value ** 2
             for j in range(s):
                 total += 0.5 * w * float(m_u[h, a, j]) ** 2

@@ -27,7 +27,6 @@ from hf_primal.models import ARCHITECTURES
 from tests.architectures import CASES, inputs
 from tests.conftest import cache_kw
 
-
 # ------------------------------------------------------------------ the field rules, written from the docs
 RULES = ("even", "legacy", "segment_mean", "jitter")
 REDUCTIONS = ("sequence", "batch")
@@ -62,7 +61,8 @@ def _bad_fields(spec: dict) -> set:
     if spec.get("covariance", "consistent") not in COVARIANCES:
         bad.add("covariance")
     eta_kl = spec.get("eta_kl", 1.0)
-    if not (isinstance(eta_kl, (int, float)) and not isinstance(eta_kl, bool) and math.isfinite(eta_kl) and eta_kl >= 0):
+    if not (isinstance(eta_kl, (int, float)) and not isinstance(eta_kl, bool) and math.isfinite(eta_kl)
+            and eta_kl >= 0):
         bad.add("eta_kl")
     if spec.get("variant") != "kep_svgp":  # the KEP-SVGP settings belong to that variant only
         bad |= {key for key in ("eta_kl", "covariance") if key in spec}
@@ -211,7 +211,8 @@ IMAGES = [n for n in NAMES if CASES[n].image]
 
 
 @pytest.mark.parametrize("name", IMAGES)
-@given(setting=settings_strategy, batch=st.integers(1, 3), seed=st.integers(0, 2 ** 16), scale=st.sampled_from([1e-3, 1, 30]))
+@given(setting=settings_strategy, batch=st.integers(1, 3), seed=st.integers(0, 2 ** 16),
+       scale=st.sampled_from([1e-3, 1, 30]))
 def test_random_image_batches_give_finite_outputs_equal_to_each_image_alone(name, setting, batch, seed, scale):
     layers, low_rank, rank_multi, sampling, dtype = setting
     model = _model(name, layers, low_rank, rank_multi, sampling, dtype)

@@ -193,7 +193,8 @@ def _closed_form_kl(model):
         if isinstance(module, KEPSVGPCore):
             L = module.factors()
             for h in range(module.num_heads):
-                prior = MultivariateNormal(torch.zeros(module.low_rank), covariance_matrix=torch.diag((-4 * module.theta[h]).exp()))
+                prior = MultivariateNormal(torch.zeros(module.low_rank),
+                                           covariance_matrix=torch.diag((-4 * module.theta[h]).exp()))
                 for j in range(module.low_rank):
                     total = total + kl_divergence(MultivariateNormal(module.m_u[h, :, j], scale_tril=L[h, j]), prior)
     return total

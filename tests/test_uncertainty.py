@@ -58,8 +58,8 @@ def test_summaries_equal_the_hand_computed_ones_over_the_same_draws():
     assert torch.allclose(out.mean_probs.double(), mean_probs, atol=1e-6)
     assert torch.allclose(out.predictive_entropy.double(), entropy(mean_probs), atol=1e-5)
     assert torch.allclose(out.expected_entropy.double(), entropy(probs_t).mean(1), atol=1e-5)
-    assert torch.allclose(out.mutual_information.double(), (entropy(mean_probs) - entropy(probs_t).mean(1)).clamp(min=0),
-                          atol=1e-5)
+    information = (entropy(mean_probs) - entropy(probs_t).mean(1)).clamp(min=0)
+    assert torch.allclose(out.mutual_information.double(), information, atol=1e-5)
     assert (out.mutual_information > 1e-6).all()  # the posterior draws disagree
     assert torch.allclose(out.variance.double(), probs_t.var(1, unbiased=False), atol=1e-6)
 
@@ -83,8 +83,9 @@ def test_mc_dropout_on_a_stock_model_and_refusals():
     out = hf_primal.predict_with_uncertainty(stock, _batch(), samples=6, seed=0, mc_dropout=True)
     assert (out.mutual_information > 0).all() and not stock.training
     # Metrics take the result directly.
-    report = uncertainty_metrics.uncertainty_report(out.probs, torch.tensor([0, 1, 2, 0, 1]))
-    assert 0 <= report["ece"] <= 1 and report["accuracy"] == uncertainty_metrics.accuracy(out.probs, torch.tensor([0, 1, 2, 0, 1]))
+    labels = torch.tensor([0, 1, 2, 0, 1])
+    report = uncertainty_metrics.uncertainty_report(out.probs, labels)
+    assert 0 <= report["ece"] <= 1 and report["accuracy"] == uncertainty_metrics.accuracy(out.probs, labels)
 
 
 def test_docstring_examples_run():

@@ -22,7 +22,8 @@ def _random_case(seed, n=60, k=4, ties=True):
 
 
 def _ece_loops(probs, labels, bins=15):
-    rows = [(max(p), max(range(len(p)), key=lambda c: (p[c], -c)) == y) for p, y in zip(probs.tolist(), labels.tolist())]
+    rows = [(max(p), max(range(len(p)), key=lambda c: (p[c], -c)) == y)
+            for p, y in zip(probs.tolist(), labels.tolist())]
     total = 0.0
     for b in range(bins):
         lo, hi = b / bins, (b + 1) / bins

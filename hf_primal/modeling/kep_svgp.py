@@ -129,7 +129,8 @@ class KEPSVGPCore(nn.Module):
         else:  # L[h, j, a, i]
             trace = (scale[:, None, :, None] * L.square()).sum()
         mahalanobis = (scale[:, :, None] * self.m_u.to(wide).square()).sum()
-        return 0.5 * trace + 0.5 * mahalanobis - self.log_diag.to(wide).sum() - 2 * s * theta.sum() - 0.5 * s * s * heads
+        log_det = self.log_diag.to(wide).sum() + 2 * s * theta.sum()
+        return 0.5 * trace + 0.5 * mahalanobis - log_det - 0.5 * s * s * heads
 
     # ------------------------------------------------------------------ forward
     def forward(

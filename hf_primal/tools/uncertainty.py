@@ -73,6 +73,16 @@ def _batches(inputs: Union[Mapping[str, Any], Iterable[Mapping[str, Any]]], batc
         yield from inputs
 
 
+def _check_request(model: nn.Module, samples: int, mc_dropout: bool) -> None:
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise ValueError(f"predict_with_uncertainty: samples={samples!r} is not allowed: it must be an integer >= 1.")
+    if not mc_dropout and not any(isinstance(m, KEPSVGPCore) for m in model.modules()):
+        raise ValueError(
+            f"predict_with_uncertainty: {type(model).__name__} has no KEP-SVGP layer, so its passes would all be "
+            "the same; build it with primal_attention={'variant': 'kep_svgp', ...} or pass mc_dropout=True."
+        )
+
+
 @torch.no_grad()
 def predict_with_uncertainty(
     model: nn.Module,
@@ -106,14 +116,7 @@ def predict_with_uncertainty(
         >>> out.probs.shape, bool((out.mutual_information >= 0).all())
         (torch.Size([3, 2]), True)
     """
-    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
-        raise ValueError(f"predict_with_uncertainty: samples={samples!r} is not allowed: it must be an integer >= 1.")
-    has_kep = any(isinstance(m, KEPSVGPCore) for m in model.modules())
-    if not has_kep and not mc_dropout:
-        raise ValueError(
-            f"predict_with_uncertainty: {type(model).__name__} has no KEP-SVGP layer, so its passes would all be "
-            "the same; build it with primal_attention={'variant': 'kep_svgp', ...} or pass mc_dropout=True."
-        )
+    _check_request(model, samples, mc_dropout)
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     logits_runs: list[torch.Tensor] = []

@@ -28,7 +28,9 @@ ECE_BINS = 15
 
 def _check(probs: torch.Tensor, labels: Optional[torch.Tensor] = None) -> None:
     if probs.dim() != 2 or probs.shape[0] == 0:
-        raise ValueError(f"probs must be a non-empty (N, K) tensor of class probabilities; got shape {tuple(probs.shape)}.")
+        raise ValueError(
+            f"probs must be a non-empty (N, K) tensor of class probabilities; got shape {tuple(probs.shape)}."
+        )
     if not torch.isfinite(probs).all() or (probs < 0).any():
         raise ValueError("probs must be finite and non-negative (class probabilities, not logits).")
     if labels is not None and labels.shape != probs.shape[:1]:
@@ -48,7 +50,6 @@ def expected_calibration_error(probs: torch.Tensor, labels: torch.Tensor, bins: 
     correct = (predicted == labels).double()
     # Bin b holds (b / bins, (b + 1) / bins]: ceil(c * bins) - 1, with c = 0 in bin 0.
     index = (torch.ceil(confidence * bins).long() - 1).clamp(0, bins - 1)
-    total = torch.zeros(bins, dtype=torch.float64).index_add_(0, index, torch.ones_like(confidence))
     gap = torch.zeros(bins, dtype=torch.float64).index_add_(0, index, correct - confidence)
     return float(gap.abs().sum() / confidence.numel())
 
@@ -142,6 +143,7 @@ def uncertainty_report(
     report["fpr95"] = fpr_at_95_tpr(confidence, correct) if mixed else float("nan")
     if ood_confidence is not None:
         scores = torch.cat([confidence.double(), ood_confidence.double()])
-        inside = torch.cat([torch.ones(len(confidence), dtype=torch.bool), torch.zeros(len(ood_confidence), dtype=torch.bool)])
+        inside = torch.cat([torch.ones(len(confidence), dtype=torch.bool),
+                            torch.zeros(len(ood_confidence), dtype=torch.bool)])
         report["ood_auroc"] = auroc(scores, inside)
     return report

@@ -148,8 +148,8 @@ class PrimalTrainer(Trainer):
             converted model). Override `create_optimizer` as with any Trainer for other groupings.
         All other arguments are those of `transformers.Trainer`.
 
-    Models with KEP-SVGP layers (``variant="kep_svgp"``) also get ``eta_kl * KL`` (their ``primal_attention["eta_kl"]``),
-    once per optimizer step whatever the gradient accumulation.
+    Models with KEP-SVGP layers (``variant="kep_svgp"``) also get ``eta_kl * KL`` (``primal_attention["eta_kl"]``), once
+    per optimizer step whatever the gradient accumulation.
 
     Logs ``ksvd_loss``, ``task_loss`` (and ``distill_loss`` with a teacher, ``kl_loss`` with KEP-SVGP layers) at every
     logging step (so they reach ``state.log_history``, the progress bar and reporters such as TensorBoard) and
