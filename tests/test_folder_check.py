@@ -16,8 +16,9 @@ from tests.test_cli_and_sharing import run_child
 SPEC = {"layers": [-1], "low_rank": 3}
 
 
-def _saved(tmp_path, drop_entry=True, model_type=None):
-    model = BertModel(bert_config(primal_attention=SPEC)).eval()
+def _saved(tmp_path, drop_entry=True, model_type=None, variant="primal"):
+    spec = SPEC if variant == "primal" else {**SPEC, "variant": variant}
+    model = BertModel(bert_config(primal_attention=spec)).eval()
     folder = tmp_path / "out"
     hf_primal.save_converted(model, folder)
     config = json.loads((folder / "config.json").read_text())
@@ -30,10 +31,11 @@ def _saved(tmp_path, drop_entry=True, model_type=None):
     return model, folder
 
 
-def test_primal_tensor_names_lists_exactly_the_primal_core_tensors(tmp_path):
-    model, folder = _saved(tmp_path, drop_entry=False)
+@pytest.mark.parametrize("variant,count", [("primal", 5), ("kep_svgp", 8)])
+def test_primal_tensor_names_lists_exactly_the_primal_core_tensors(tmp_path, variant, count):
+    model, folder = _saved(tmp_path, drop_entry=False, variant=variant)
     expected = sorted(n for n, _ in model.named_parameters() if ".primal." in n)
-    assert primal_tensor_names(str(folder)) == expected and len(expected) == 5
+    assert primal_tensor_names(str(folder)) == expected and len(expected) == count
     BertModel(bert_config()).save_pretrained(tmp_path / "stock")
     assert primal_tensor_names(str(tmp_path / "stock")) == []
 

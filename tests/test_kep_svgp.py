@@ -19,7 +19,7 @@ def _core(covariance, samples=P):
     core.covariance = covariance
     with torch.no_grad():
         core.theta.uniform_(-0.5, 0.5)
-        core.out.bias.normal_()  # a visible bias: padded rows must still come out exactly zero
+        core.head_map.bias.normal_()  # a visible bias: padded rows must still come out exactly zero
     return core
 
 
@@ -33,7 +33,7 @@ def _inputs(batch=3, length=8, mask="right"):
 
 
 def _params(core):
-    return (core.We, core.Wr, core.theta, core.m_u, core.tril, core.log_diag, core.out.weight, core.out.bias)
+    return (core.We, core.Wr, core.theta, core.m_u, core.tril, core.log_diag, core.head_map.weight, core.head_map.bias)
 
 
 @pytest.mark.parametrize("covariance", ["reference", "consistent"])
@@ -233,3 +233,32 @@ def test_trainer_logs_the_kl_and_the_loss_is_the_sum_of_its_terms(tmp_path):
     assert len(logs) == 3 and logs[0]["kl_loss"] == pytest.approx(expected_kl, rel=1e-5)
     for h in logs:
         assert h["loss"] == pytest.approx(h["task_loss"] + 0.5 * h["ksvd_loss"] + 0.25 * h["kl_loss"], rel=1e-4)
+
+
+def test_convert_makes_the_last_layer_kep_svgp_and_fitting_lowers_its_held_out_error(tmp_path):
+    import copy
+
+    from transformers import AutoModelForSequenceClassification
+
+    import hf_primal
+    from tests.test_convert_hub import _batches, _held_out_errors, _stock
+
+    torch.manual_seed(0)
+    stock = _stock("bert").eval()
+    spec = {"layers": [-1], "low_rank": 4, "rank_multi": 2, "variant": "kep_svgp"}
+    torch.manual_seed(1)
+    plain = hf_primal.convert(copy.deepcopy(stock), spec).eval()
+    torch.manual_seed(1)
+    fitted = hf_primal.convert(copy.deepcopy(stock), spec, calibration_data=_batches("bert", seed=0), method="transfer",
+                               steps=60, learning_rate=1e-3, target="layer", progress=False).eval()
+    assert isinstance(fitted.bert.encoder.layer[-1].attention.self.primal, KEPSVGPCore)
+    name = "bert.encoder.layer.2"
+    held_out = _batches("bert", n=4, seed=1)
+    before = _held_out_errors(stock, plain, [name], held_out, False)[name]
+    after = _held_out_errors(stock, fitted, [name], held_out, False)[name]
+    assert after <= 0.9 * before, (before, after)
+    fitted.save_pretrained(tmp_path)
+    loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path).eval()
+    batch = held_out[0]
+    with torch.no_grad():
+        assert torch.equal(loaded(**batch).logits, fitted(**batch).logits)

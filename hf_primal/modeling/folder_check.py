@@ -20,7 +20,7 @@ from typing import Any, Optional
 from .config import VERSION, PrimalAttentionConfig
 
 # The parameters every primal core adds (hf_primal.modeling.primal.PrimalCore), as they appear in a state dict.
-_PRIMAL_TENSOR = re.compile(r"(^|\.)primal\.(We|Wr|Lambda|head_map\.weight|head_map\.bias)$")
+_PRIMAL_TENSOR = re.compile(r"(^|\.)primal\.(We|Wr|Lambda|theta|m_u|tril|log_diag|head_map\.weight|head_map\.bias)$")
 
 
 def primal_tensor_names(folder: str) -> list[str]:

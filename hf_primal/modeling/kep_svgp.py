@@ -8,7 +8,7 @@ Per head, with the primal scores e = q_hat W_{e|X}, r = k_hat W_{r|X} (B, H, N, 
 
     V = (e + r) Lambda^{-1}                       the inducing features of each token ("add" merge)
     F = V m_u  [+ noise]                          posterior mean [+ one sample of the posterior]
-    y = W_out F                                   s -> d, shared by the heads; zero at padding
+    y = W_out F                                   s -> d (`head_map`), shared by the heads; zero at padding
 
 Two covariance readings of the same parameters (`covariance`):
 
@@ -47,7 +47,7 @@ class KEPSVGPCore(nn.Module):
         m_u: (H, s, s) variational means, inducing index first.
         tril: (H, s, s, s) off-diagonal entries of the covariance factors (see the module docstring).
         log_diag: (H, s, s) logarithms of their diagonals.
-        out: the s -> d map shared by the heads.
+        head_map: W_out, the s -> d map shared by the heads.
     """
 
     _is_primal_core = True
@@ -65,7 +65,7 @@ class KEPSVGPCore(nn.Module):
         self.m_u = nn.Parameter(torch.empty(num_heads, s, s))
         self.tril = nn.Parameter(torch.empty(num_heads, s, s, s))
         self.log_diag = nn.Parameter(torch.empty(num_heads, s, s))
-        self.out = nn.Linear(s, head_dim)
+        self.head_map = nn.Linear(s, head_dim)
         # Eval-mode forwards return the posterior mean unless sampling is switched on (`sampling_enabled`); training
         # draws one sample per forward. `generator` (or the global RNG of the inputs' device) draws the noise.
         self.sample_in_eval = False
@@ -190,7 +190,7 @@ class KEPSVGPCore(nn.Module):
         f = torch.matmul(v, self.m_u.to(wide))
         if eps is not None or self.training or self.sample_in_eval:
             f = f + self.noise(v, eps)
-        y = F.linear(f, self.out.weight.to(wide), self.out.bias.to(wide))
+        y = F.linear(f, self.head_map.weight.to(wide), self.head_map.bias.to(wide))
         if valid is not None:
             y = y * valid[:, None, :, None].to(wide)
         y = y.to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2)
