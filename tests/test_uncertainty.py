@@ -92,3 +92,17 @@ def test_docstring_examples_run():
     for module in (uncertainty, uncertainty_metrics):
         result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
         assert result.attempted > 0 and result.failed == 0, module.__name__
+
+
+def test_the_user_guide_example_runs(capsys):
+    import re
+    from pathlib import Path
+
+    guide = (Path(__file__).parents[1] / "docs" / "user-guide.md").read_text()
+    section = guide.split("## Uncertainty (KEP-SVGP)", 1)[1].split("\n## ", 1)[0]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    scope: dict = {}
+    exec(compile(code, "user-guide.md", "exec"), scope)
+    out = scope["out"]
+    assert out.probs.shape == (4, 3) and torch.allclose(out.probs.sum(-1), torch.ones(4, dtype=out.probs.dtype))
+    assert (out.mutual_information >= 0).all() and "tensor" in capsys.readouterr().out
