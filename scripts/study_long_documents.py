@@ -228,12 +228,20 @@ def plot(path: Path, summary: list[dict]) -> None:
     plt.close(fig)
 
 
+def merged(previous: list[dict], summary: list[dict], grids: list[str]) -> list[dict]:
+    """The summary file's entries of the grids not run this time (each grid is run with its own options), then this
+    run's: a study run grid by grid ends with every grid in the file and the plot."""
+    return [item for item in previous if item["grid"] not in grids] + summary
+
+
 def report(args: argparse.Namespace) -> list[dict[str, Any]]:
     out = Path(args.out_dir)
     summary = summarise(bench.read_rows(out / STUDY_CSV), args)
     if summary:
-        bench.write_rows(out / STUDY_SUMMARY_CSV, summary)
-        plot(out / STUDY_PNG, summary)
+        previous = [{k: (float(v) if k.endswith(("accuracy_mean", "accuracy_std")) else v) for k, v in item.items()}
+                    for item in bench.read_rows(out / STUDY_SUMMARY_CSV)]
+        bench.write_rows(out / STUDY_SUMMARY_CSV, merged(previous, summary, args.grid))
+        plot(out / STUDY_PNG, merged(previous, summary, args.grid))
     for s in summary:
         print(f"{s['grid']:<8} {s['setting']:<40} {s['variant']:<13} seeds {s['seeds']}  "
               f"train {100 * s['train_accuracy_mean']:5.1f}  val {100 * s['val_accuracy_mean']:5.1f} "

@@ -60,6 +60,13 @@ def test_summary_equals_hand_computed_means_and_the_best_epoch_of_the_mean_curve
     assert ("baseline", "primal") not in by  # not run
 
 
+def test_a_report_of_one_grid_keeps_the_other_grids_of_the_summary_file():
+    previous = [{"grid": "options", "setting": "baseline", "variant": "sdpa"},
+                {"grid": "lr", "setting": "learning_rate=0.0001", "variant": "sdpa"}]
+    new = [{"grid": "lr", "setting": "learning_rate=0.0003", "variant": "sdpa"}]
+    assert study.merged(previous, new, ["lr"]) == [previous[0], new[0]]
+
+
 def test_quick_run_rows_feed_the_summary(tmp_path):
     command = [sys.executable, str(ROOT / "scripts" / "study_long_documents.py"), "--quick", "--length", "96",
                "--grid", "options", "--match", "^(primal sampling=jitter|sdpa baseline)$", "--seeds", "0",
