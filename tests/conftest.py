@@ -104,6 +104,7 @@ SLOW = {
     "test_benchmark_long_documents.py::test_quick_run_summary_and_timing_ratios_from_the_raw_rows",
     "test_benchmark_peers.py",
     "test_benchmark_script.py",
+    "test_benchmark_uncertainty.py::test_quick_run_has_every_method_and_sane_metrics",
     "test_compile.py",
     "test_distributed.py",
     "test_notebook.py",

@@ -1,0 +1,44 @@
+"""scripts/benchmark_uncertainty.py: the quick run writes a row per method whose metrics are those of the metrics
+module on hand-made predictions, a summary equal to the hand-computed means, and the temperature fit."""
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import benchmark_uncertainty as bench  # noqa: E402
+
+
+def test_temperature_fit_recovers_the_temperature_that_made_the_labels():
+    g = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(4000, 4, generator=g, dtype=torch.float64)
+    labels = torch.multinomial((logits / 2.5).softmax(-1), 1, generator=g).squeeze(1)  # labels drawn at T = 2.5
+    assert bench.fit_temperature(logits, labels) == pytest.approx(2.5, rel=0.08)
+
+
+def test_summary_is_the_mean_and_std_over_seeds_in_method_order():
+    rows = [{"seed": s, "method": m, **{k: v + s for k, v in zip(bench.METRICS, range(8))}}
+            for s in (0, 2) for m in ("kep_svgp", "msp")]
+    summary = bench.summarise(rows)
+    assert [s["method"] for s in summary] == ["msp", "kep_svgp"]
+    assert summary[0]["ece_mean"] == pytest.approx(2.0) and summary[0]["ece_std"] == pytest.approx(2 ** 0.5)
+
+
+def test_quick_run_has_every_method_and_sane_metrics(tmp_path):
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark_uncertainty.py"), "--quick",
+                             "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    with open(tmp_path / bench.CSV, newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [r["method"] for r in rows] == list(bench.METHODS)
+    for r in rows:
+        assert 0 <= float(r["ece"]) <= 1 and 0 <= float(r["ood_auroc"]) <= 1 and float(r["nll"]) > 0, r
+    by = {r["method"]: r for r in rows}
+    assert float(by["msp"]["accuracy"]) == float(by["temperature"]["accuracy"])  # a temperature keeps the argmax
+    assert float(by["temperature"]["temperature"]) > 0 and float(by["msp"]["relative_time"]) == 1.0
+    assert (tmp_path / bench.PNG).stat().st_size > 10_000
