@@ -39,6 +39,10 @@ class Case:
     image: bool = False
     decoder: str = ""  # the causal-LM class when the architecture can run as a decoder
     decoder_flags: tuple = ()  # config settings that make it a decoder
+    # Padding-free (packed) rows: whether transformers' stock model keeps packed sequences apart (marked by restarting
+    # position_ids), and the first position id of a sequence.
+    packing: bool = True
+    first_position: int = 0
 
     def model(self, kind: str = "head", **config_kw):
         return getattr(transformers, getattr(self, kind))(self.config(**config_kw))
@@ -51,9 +55,11 @@ CASES = {
     "gpt2": Case(gpt2_config, "GPT2Model", "GPT2LMHeadModel", "AutoModelForCausalLM", decoder="GPT2LMHeadModel"),
     "roberta": Case(roberta_config, "RobertaModel", "RobertaForSequenceClassification",
                     "AutoModelForSequenceClassification", decoder="RobertaForCausalLM",
-                    decoder_flags=(("is_decoder", True),)),
+                    decoder_flags=(("is_decoder", True),), first_position=2),  # after pad_token_id = 1
+    # Stock DistilBERT lets packed sequences see each other (its softmax differs from padded by 2e-2), and so do its
+    # primal layers, which split rows where transformers' masks do.
     "distilbert": Case(distilbert_config, "DistilBertModel", "DistilBertForSequenceClassification",
-                       "AutoModelForSequenceClassification"),
+                       "AutoModelForSequenceClassification", packing=False),
     "deit": Case(deit_config, "DeiTModel", "DeiTForImageClassification", "AutoModelForImageClassification",
                  image=True),
 }

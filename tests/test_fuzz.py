@@ -225,7 +225,7 @@ def test_random_image_batches_give_finite_outputs_equal_to_each_image_alone(name
     assert float((first.float() - out[0].float()).abs().max()) <= tol * max(1.0, float(first.float().abs().max()))
 
 
-@pytest.mark.parametrize("name", ["bert", "gpt2"])
+@pytest.mark.parametrize("name", [n for n in TEXT if CASES[n].packing])
 @given(lengths=st.lists(st.integers(1, 9), min_size=1, max_size=4), layers=st.sampled_from(["all", [-1]]),
        sampling=st.sampled_from(RULES), seed=st.integers(0, 2 ** 16))
 def test_random_packed_rows_equal_the_same_sequences_padded(name, lengths, layers, sampling, seed):
@@ -238,8 +238,9 @@ def test_random_packed_rows_equal_the_same_sequences_padded(name, lengths, layer
     for row, seq in enumerate(seqs):
         ids[row, :len(seq)], mask[row, :len(seq)] = seq, 1
     packed_ids = torch.cat(seqs)[None]
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    extra = {"use_cache": False} if name == "gpt2" else {}  # transformers reads packing from positions only then
+    positions = torch.cat([CASES[name].first_position + torch.arange(n) for n in lengths])[None]
+    # Decoders: transformers reads packing from the positions only without a cache (softmax attention alike).
+    extra = {"use_cache": False} if name == "gpt2" else {}
     with torch.no_grad():
         padded = model(input_ids=ids, attention_mask=mask, **extra).last_hidden_state[mask.bool()]
         packed = model(input_ids=packed_ids, position_ids=positions, **extra).last_hidden_state[0]
