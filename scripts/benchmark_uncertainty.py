@@ -13,7 +13,8 @@ Methods (per seed; ``uncertainty.csv``, mean ± std over seeds in ``uncertainty_
 * ``ensemble``: the mean probabilities of 3 stock models fine-tuned from different seeds;
 * ``kep_svgp``: the fine-tuned stock model with its last layer made KEP-SVGP (``variant="kep_svgp"``) and trained
   with ``PrimalTrainer(teacher=<the stock model>, distill_target="logits")`` on the same labels (``--kep-epochs``),
-  10 posterior samples (``predict_with_uncertainty``);
+  10 posterior samples (``predict_with_uncertainty``); the KL weight is chosen per seed among ``--eta-kl`` by the
+  validation NLL (every candidate's figure in ``uncertainty_selection.csv``);
 * ``kep_svgp+temperature``: the same with a temperature fitted on validation.
 
 Columns: accuracy, ECE (15 bins), NLL, Brier, AURC, misclassification AUROC, OOD AUROC (maximum probability as the
@@ -45,6 +46,7 @@ import bbc_news  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CSV, SUMMARY_CSV, PNG = "uncertainty.csv", "uncertainty_summary.csv", "uncertainty.png"
+SELECTION_CSV = "uncertainty_selection.csv"
 METHODS = ("msp", "temperature", "mc_dropout", "ensemble", "kep_svgp", "kep_svgp+temperature")
 METRICS = ("accuracy", "ece", "nll", "brier", "aurc", "misclassification_auroc", "ood_auroc", "relative_time")
 
@@ -61,7 +63,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=10, help="passes of MC dropout and KEP-SVGP")
     p.add_argument("--ensemble", type=int, default=3)
     p.add_argument("--low-rank", type=int, default=10, help="s of the KEP-SVGP layer")
-    p.add_argument("--eta-kl", type=float, default=1e-3, help="weight of the KEP-SVGP layer's KL term")
+    p.add_argument("--eta-kl", default="0,1e-5,1e-4,1e-3",
+                   help="candidate weights of the KEP-SVGP layer's KL term (chosen on validation NLL)")
     p.add_argument("--covariance", default="consistent", choices=("consistent", "reference"))
     p.add_argument("--kep-epochs", type=float, default=1.0)
     p.add_argument("--kep-learning-rate", type=float, default=1e-4)
@@ -69,8 +72,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--out-dir", default=str(RESULTS))
     args = p.parse_args(argv)
     args.seeds = [int(s) for s in str(args.seeds).split(",")]
+    args.eta_kl = [float(v) for v in str(args.eta_kl).split(",")]
     if args.quick:
-        args.seeds, args.labels, args.epochs, args.kep_epochs = [0], 64, 1.0, 1.0
+        args.seeds, args.labels, args.epochs, args.kep_epochs, args.eta_kl = [0], 64, 1.0, 1.0, [0.0, 1e-3]
         args.samples, args.ensemble, args.max_length = 3, 2, 32
     return args
 
@@ -140,7 +144,7 @@ def fine_tuned_stock(args, tokenizer, rows, seed):
     return train(model, tokenizer, rows, args, seed, args.epochs, args.learning_rate)
 
 
-def kep_student(args, tokenizer, rows, stock, seed):
+def kep_student(args, tokenizer, rows, stock, seed, eta_kl):
     """The fine-tuned stock model with its last layer KEP-SVGP, trained against it (the conversion recipe)."""
     from hf_primal import PrimalAttentionConfig
     from hf_primal.tools.selection import swap_to_primal
@@ -148,7 +152,7 @@ def kep_student(args, tokenizer, rows, stock, seed):
     torch.manual_seed(seed)
     student = copy.deepcopy(stock)
     swap_to_primal(student, PrimalAttentionConfig(layers=[-1], low_rank=args.low_rank, rank_multi=10,
-                                                  variant="kep_svgp", eta_kl=args.eta_kl,
+                                                  variant="kep_svgp", eta_kl=eta_kl,
                                                   covariance=args.covariance))
     return train(student.train(), tokenizer, rows, args, seed, args.kep_epochs, args.kep_learning_rate, teacher=stock)
 
@@ -213,7 +217,7 @@ def run_seed(args, data, tokenizer, seed) -> tuple[list[dict[str, Any]], dict[st
                          for k in range(1, args.ensemble)]
     ens, seconds = timed(lambda: torch.stack([logits_of(m, inputs["test"]).softmax(-1) for m in members]).mean(0))
     probs["ensemble"] = (ens, torch.stack([logits_of(m, inputs["ood"]).softmax(-1) for m in members]).mean(0), seconds)
-    kep = kep_student(args, tokenizer, data["train"], stock, seed)
+    kep, eta_kl, selection = chosen_kep(args, tokenizer, data, inputs, labels, stock, seed)
     kep_test, seconds = timed(lambda: sampled_probs(kep, inputs["test"], args, seed))
     kep_ood = sampled_probs(kep, inputs["ood"], args, seed)
     probs["kep_svgp"] = (kep_test, kep_ood, seconds)
@@ -221,9 +225,26 @@ def run_seed(args, data, tokenizer, seed) -> tuple[list[dict[str, Any]], dict[st
     probs["kep_svgp+temperature"] = ((kep_test.log() / t_kep).softmax(-1), (kep_ood.log() / t_kep).softmax(-1), seconds)
     rows = [{"seed": seed, "method": name, **metrics(p, labels["test"], o, s, stock_seconds),
              "temperature": t if name == "temperature" else t_kep if name == "kep_svgp+temperature" else "",
+             "eta_kl": eta_kl if name.startswith("kep") else "",
              "threads": torch.get_num_threads(), "load1": round(os.getloadavg()[0], 2)}
             for name, (p, o, s) in probs.items()]
-    return rows, {name: p for name, (p, _, _) in probs.items()}
+    return rows, {name: p for name, (p, _, _) in probs.items()}, selection
+
+
+def chosen_kep(args, tokenizer, data, inputs, labels, stock, seed):
+    """The KEP-SVGP student of the `--eta-kl` candidate with the lowest validation NLL, that value, and every
+    candidate's validation figures."""
+    from hf_primal.tools.uncertainty_metrics import uncertainty_report
+
+    best, selection = None, []
+    for eta_kl in args.eta_kl:
+        student = kep_student(args, tokenizer, data["train"], stock, seed, eta_kl)
+        report = uncertainty_report(sampled_probs(student, inputs["validation"], args, seed), labels["validation"])
+        selection.append({"seed": seed, "eta_kl": eta_kl, **{f"validation_{k}": report[k]
+                                                               for k in ("accuracy", "ece", "nll")}})
+        if best is None or report["nll"] < best[0]:
+            best = (report["nll"], student, eta_kl)
+    return best[1], best[2], selection
 
 
 # ---------------------------------------------------------------------------------------------- files
@@ -301,14 +322,17 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"sentences, {len(data['ood'])} out-of-distribution ({args.ood_topic}); seeds {args.seeds}; load average "
           f"{os.getloadavg()[0]:.2f}", flush=True)
     rows = [r for r in read_rows(out / CSV) if int(r["seed"]) not in args.seeds]
+    selection = [r for r in read_rows(out / SELECTION_CSV) if int(r["seed"]) not in args.seeds]
     labels = torch.tensor([r[1] for r in data["test"]])
     pooled: dict[str, list] = {}
     for seed in args.seeds:
-        new, probs = run_seed(args, data, tokenizer, seed)
+        new, probs, chosen = run_seed(args, data, tokenizer, seed)
         rows += new
+        selection += chosen
         for name, p in probs.items():
             pooled.setdefault(name, []).append((p, labels))
         write_rows(out / CSV, rows)
+        write_rows(out / SELECTION_CSV, selection)
         print(f"seed {seed}: " + "; ".join(f"{r['method']} acc {100 * r['accuracy']:.1f} ece {100 * r['ece']:.1f} "
                                            f"ood {100 * r['ood_auroc']:.1f}" for r in new), flush=True)
     write_rows(out / SUMMARY_CSV, summarise(rows))
