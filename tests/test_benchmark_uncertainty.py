@@ -22,11 +22,13 @@ def test_temperature_fit_recovers_the_temperature_that_made_the_labels():
 
 
 def test_summary_is_the_mean_and_std_over_seeds_in_method_order():
-    rows = [{"seed": s, "method": m, **{k: v + s for k, v in zip(bench.METRICS, range(8))}}
-            for s in (0, 2) for m in ("kep_svgp", "msp")]
+    rows = [{"task": t, "seed": s, "method": m, **{k: v + s + 10 * (t == "b") for k, v in zip(bench.METRICS, range(8))}}
+            for t in ("a", "b") for s in (0, 2) for m in ("kep_svgp", "msp")]
     summary = bench.summarise(rows)
-    assert [s["method"] for s in summary] == ["msp", "kep_svgp"]
+    assert [(s["task"], s["method"]) for s in summary] == [("a", "msp"), ("a", "kep_svgp"), ("b", "msp"),
+                                                             ("b", "kep_svgp")]
     assert summary[0]["ece_mean"] == pytest.approx(2.0) and summary[0]["ece_std"] == pytest.approx(2 ** 0.5)
+    assert summary[2]["ece_mean"] == pytest.approx(12.0)
 
 
 def test_quick_run_has_every_method_and_sane_metrics(tmp_path):
@@ -35,15 +37,15 @@ def test_quick_run_has_every_method_and_sane_metrics(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     with open(tmp_path / bench.CSV, newline="") as handle:
         rows = list(csv.DictReader(handle))
-    assert [r["method"] for r in rows] == list(bench.METHODS)
+    assert [(r["task"], r["method"]) for r in rows] == [(t, m) for t in bench.TASKS_ORDER for m in bench.METHODS]
     for r in rows:
         assert 0 <= float(r["ece"]) <= 1 and 0 <= float(r["ood_auroc"]) <= 1 and float(r["nll"]) > 0, r
-    by = {r["method"]: r for r in rows}
+    by = {r["method"]: r for r in rows if r["task"] == "bbc_sentences"}
     assert float(by["msp"]["accuracy"]) == float(by["temperature"]["accuracy"])  # a temperature keeps the argmax
     assert float(by["temperature"]["temperature"]) > 0 and float(by["msp"]["relative_time"]) == 1.0
     assert (tmp_path / bench.PNG).stat().st_size > 10_000
     with open(tmp_path / bench.SELECTION_CSV, newline="") as handle:
         selection = list(csv.DictReader(handle))
-    assert [float(r["eta_kl"]) for r in selection] == [0.0, 1e-3]  # the quick run's candidates
-    best = min(selection, key=lambda r: float(r["validation_nll"]))
+    assert [float(r["eta_kl"]) for r in selection] == [0.0, 1e-3] * 2  # the quick run's candidates, per task
+    best = min(selection[:2], key=lambda r: float(r["validation_nll"]))
     assert float(by["kep_svgp"]["eta_kl"]) == float(best["eta_kl"])  # chosen by validation NLL
