@@ -87,3 +87,15 @@ def test_one_place_reads_the_primal_marker():
                     and len(node.args) > 1 and getattr(node.args[1], "value", None) == "_is_primal_attention"):
                 readers.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
     assert [r.split(":")[0] for r in readers] == ["modeling/architecture.py"], readers
+
+
+@pytest.mark.parametrize("pattern, home", [
+    ('("sequence", "batch")', "modeling/config.py"),  # the KSVD reduction names
+    ("CROP_WINDOW = ", "modeling/config.py"),  # the crop window's default
+    ("base_model_prefix", "modeling/architecture.py"),  # where a model's base model is
+    ("must be a finite real number >= 0", "modeling/config.py"),  # the check of a loss weight (eta, eta_kl)
+])
+def test_each_rule_has_one_home(pattern, home):
+    found = [str(path.relative_to(PACKAGE)) for path in sorted(PACKAGE.rglob("*.py"))
+             if pattern in path.read_text(encoding="utf-8")]
+    assert found == [home], found

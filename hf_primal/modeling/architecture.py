@@ -146,6 +146,14 @@ class Architecture(Layout):
         return [own, *(pattern.format(i=index) for pattern in self.legacy_value_keys)]
 
 
+def base_model(model: nn.Module) -> tuple[nn.Module, str]:
+    """The model's base model (``model.bert`` of a BertForSequenceClassification; the model itself when it is one)
+    and the prefix of its module names in `model` (``"bert."``, or ``""``)."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    base = getattr(model, prefix, model) if prefix else model
+    return base, (f"{prefix}." if base is not model else "")
+
+
 def convert_layers(model: nn.Module, architecture: Architecture, primal_config: Any = None) -> list[str]:
     """Make the layers selected by ``model.config.primal_attention`` (or `primal_config`) primal, in place.
 
@@ -158,7 +166,7 @@ def convert_layers(model: nn.Module, architecture: Architecture, primal_config: 
         return []
     spec = PrimalAttentionConfig.coerce(spec)
     inherit_weight_conversions(model)
-    base = getattr(model, model.base_model_prefix, model)
+    base, _ = base_model(model)
     layers = architecture.list_layers(base)
     selected = spec.resolve_layers(len(layers))
     causal = architecture.causal(config)

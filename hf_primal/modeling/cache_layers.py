@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from .config import DEFAULT_CROP_WINDOW
 from .primal import CausalState
 
 
@@ -41,9 +42,6 @@ def cache_kwarg() -> str:
 
     params = inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
     return "cache" if "cache" in params else "past_key_values"
-
-
-DEFAULT_CROP_WINDOW = 64
 
 
 def _compact(tensor: torch.Tensor) -> torch.Tensor:

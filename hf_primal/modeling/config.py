@@ -18,7 +18,7 @@ LayersSpec = Union[str, list[int]]
 # that an older hf_primal can name the version of a folder it cannot read.
 VERSION = "0.1.0"
 
-_REDUCTIONS = ("sequence", "batch")
+KSVD_REDUCTIONS = ("sequence", "batch")  # how the KSVD loss is reduced (docs/method.md)
 # What fills the p slots of an encoder layer (docs/method.md, "Sampling"). A stored primal_attention without the
 # field was written before "even" existed and keeps the rule it was trained with.
 SAMPLING_RULES = ("even", "legacy", "segment_mean", "jitter")
@@ -28,7 +28,16 @@ SAMPLING_WHEN_NOT_SAVED = "legacy"
 VARIANTS = ("primal", "kep_svgp")
 COVARIANCES = ("consistent", "reference")
 _KEP_FIELDS = ("eta_kl", "covariance")
-_DEFAULT_CROP_WINDOW = 64  # hf_primal.modeling.cache_layers.DEFAULT_CROP_WINDOW
+# How many of its latest tokens a causal layer's generation cache can take back (cache_layers.py uses it).
+DEFAULT_CROP_WINDOW = 64
+
+
+def loss_weight(value: Any, name: str) -> float:
+    """`value` as a float when it is a finite real number >= 0 (a loss term's weight), else a ValueError naming
+    `name`, the value and what is allowed."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (0 <= value < float("inf")):
+        raise ValueError(f"{name}={value!r} is not allowed: it must be a finite real number >= 0.")
+    return float(value)
 
 
 LAYERS_SYNTAX = '"all" or comma-separated integer layer indices such as "-1" or "0,3"'
@@ -92,7 +101,7 @@ class PrimalAttentionConfig:
     rank_multi: int = 10
     eta: float = 0.1
     ksvd_reduction: str = "sequence"
-    crop_window: int = _DEFAULT_CROP_WINDOW
+    crop_window: int = DEFAULT_CROP_WINDOW
     sampling: str = "segment_mean"
     variant: str = "primal"
     eta_kl: float = 1.0
@@ -132,15 +141,11 @@ class PrimalAttentionConfig:
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 raise ValueError(f"PrimalAttentionConfig.{name}={value!r} is not allowed: it must be an integer >= 1.")
             setattr(self, name, int(value))
-        if isinstance(self.eta, bool) or not isinstance(self.eta, numbers.Real) or not (self.eta >= 0):
-            raise ValueError(f"PrimalAttentionConfig.eta={self.eta!r} is not allowed: it must be a real number >= 0.")
-        if self.eta == float("inf"):
-            raise ValueError(f"PrimalAttentionConfig.eta={self.eta!r} is not allowed: it must be finite.")
-        self.eta = float(self.eta)
-        if self.ksvd_reduction not in _REDUCTIONS:
+        self.eta = loss_weight(self.eta, "PrimalAttentionConfig.eta")
+        if self.ksvd_reduction not in KSVD_REDUCTIONS:
             raise ValueError(
                 f"PrimalAttentionConfig.ksvd_reduction={self.ksvd_reduction!r} is not allowed: use one of "
-                f"{list(_REDUCTIONS)}."
+                f"{list(KSVD_REDUCTIONS)}."
             )
         if self.sampling not in SAMPLING_RULES:
             raise ValueError(
@@ -151,12 +156,7 @@ class PrimalAttentionConfig:
                 raise ValueError(
                     f"PrimalAttentionConfig.{name}={getattr(self, name)!r} is not allowed: use one of {list(allowed)}."
                 )
-        if isinstance(self.eta_kl, bool) or not isinstance(self.eta_kl, numbers.Real) or not (
-                0 <= self.eta_kl < float("inf")):
-            raise ValueError(
-                f"PrimalAttentionConfig.eta_kl={self.eta_kl!r} is not allowed: it must be a finite real number >= 0."
-            )
-        self.eta_kl = float(self.eta_kl)
+        self.eta_kl = loss_weight(self.eta_kl, "PrimalAttentionConfig.eta_kl")
 
     def resolve_layers(self, num_layers: int) -> list[int]:
         """Map `layers` onto ``range(num_layers)``; raises ValueError when an index does not exist."""
@@ -188,7 +188,7 @@ class PrimalAttentionConfig:
         versions read.
         """
         data = dataclasses.asdict(self)
-        if data["crop_window"] == _DEFAULT_CROP_WINDOW:
+        if data["crop_window"] == DEFAULT_CROP_WINDOW:
             del data["crop_window"]
         if self.variant == "primal":
             for name in ("variant", *_KEP_FIELDS):

@@ -24,7 +24,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..integration.hub import enable_remote_code
-from ..modeling.architecture import Architecture, primal_attention_modules
+from ..modeling.architecture import Architecture, base_model, primal_attention_modules
 from ..modeling.config import PrimalAttentionConfig
 from ..modeling.layers import valid_tokens
 from ..models import find_architecture
@@ -169,13 +169,12 @@ def _capture_reference(
     target: str, train_qk: bool, batch_size: int, max_batches: Optional[int], progress: bool,
 ) -> _Reference:
     """The selected layers, and with calibration data a frozen copy of the model (distill) or its recorded outputs."""
-    base = getattr(model, model.base_model_prefix, model)
+    base, prefix = base_model(model)
     layer_list = architecture.list_layers(base)
     selected = spec.resolve_layers(len(layer_list))
     causal = architecture.causal(model.config)
     blocks = architecture.list_blocks(base)
     fitted = {i: (blocks[i] if target == "layer" else layer_list[i][1]) for i in selected}
-    prefix = f"{model.base_model_prefix}." if base is not model else ""
     reference = _Reference(selected, causal, fitted, names={i: prefix + layer_list[i][0] for i in selected},
                            qk_names=architecture.qk_names if train_qk else ())
     if calibration_data is not None and method == "distill":

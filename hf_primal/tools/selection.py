@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..modeling.architecture import base_model
 from ..modeling.config import PrimalAttentionConfig
 from ..models import apply_primal_attention, find_architecture
 from ..training.calibration import collect_batches
@@ -37,8 +38,7 @@ def swap_to_primal(model: nn.Module, spec: PrimalAttentionConfig) -> None:
     already_ignored = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
     model._keys_to_ignore_on_load_unexpected = already_ignored | set(ignore)
     std = getattr(model.config, "initializer_range", 0.02)
-    base = getattr(model, model.base_model_prefix, model)
-    layers = find_architecture(model).list_layers(base)
+    layers = find_architecture(model).list_layers(base_model(model)[0])
     for index in spec.resolve_layers(len(layers)):
         core = layers[index][1].primal
         with torch.no_grad():
@@ -121,8 +121,7 @@ def layer_sensitivity(
         raise ValueError(f"layer_sensitivity: steps={steps!r} is not allowed: it must be an integer >= 1.")
     spec = PrimalAttentionConfig.coerce(config if config is not None else PrimalAttentionConfig())
     architecture = find_architecture(model)
-    base = getattr(model, model.base_model_prefix, model)
-    prefix = f"{model.base_model_prefix}." if base is not model else ""
+    base, prefix = base_model(model)
     names = [prefix + name for name, _ in architecture.list_layers(base)]
     batches = collect_batches(calibration_data, batch_size, max_batches)
     teacher = frozen_copy(model)
@@ -157,7 +156,7 @@ def choose_layers(
     """
     if layers is None and num_primal_layers is None:
         return spec, None
-    num_layers = len(find_architecture(model).list_layers(getattr(model, model.base_model_prefix, model)))
+    num_layers = len(find_architecture(model).list_layers(base_model(model)[0]))
     if isinstance(layers, str) and layers in LAYER_CHOICES:
         k = check_num_layers(num_primal_layers, num_layers)
         if layers == "last":

@@ -13,9 +13,8 @@ import torch
 from torch import nn
 
 from ..modeling.architecture import primal_attention_modules
+from ..modeling.config import KSVD_REDUCTIONS as REDUCTIONS
 from ..modeling.primal import KSVDTerms, ksvd_objective
-
-REDUCTIONS = ("sequence", "batch")
 
 
 def _primal_modules(model: nn.Module) -> list[nn.Module]:

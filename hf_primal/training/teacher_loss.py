@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..modeling.architecture import base_model
 from .loss import primal_model
 
 TARGETS = ("auto", "hidden", "logits")
@@ -91,9 +92,7 @@ def resolve_target(model: nn.Module, target: str) -> str:
     if target != "auto":
         return target
     inner = primal_model(model)
-    base = getattr(inner, "base_model_prefix", None)
-    has_head = base is not None and hasattr(inner, base) and getattr(inner, base) is not inner
-    return "logits" if has_head else "hidden"
+    return "logits" if base_model(inner)[0] is not inner else "hidden"
 
 
 def check_compatible(student: nn.Module, teacher: nn.Module, target: str) -> None:

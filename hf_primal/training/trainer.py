@@ -13,7 +13,7 @@ from transformers import Trainer
 
 from ..integration.compat import check_trainer_instance
 from ..modeling.architecture import primal_attention_modules
-from ..modeling.config import PrimalAttentionConfig
+from ..modeling.config import PrimalAttentionConfig, loss_weight
 from ..models import find_architecture
 from .calibration import input_columns
 from .loss import REDUCTIONS, clear_ksvd_terms, collect_ksvd_terms, kl_from_model, ksvd_from_terms, primal_model
@@ -88,8 +88,7 @@ def _primal_spec(inner: nn.Module) -> dict:
 def _ksvd_settings(spec: dict, ksvd_weight: Optional[float], ksvd_reduction: Optional[str]) -> tuple[float, str]:
     """(eta, reduction) of the KSVD term: the arguments, else the model's defaults; each refused by name."""
     eta = PrimalAttentionConfig.coerce(spec).eta if ksvd_weight is None else ksvd_weight
-    if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not (0 <= eta < float("inf")):
-        raise ValueError(f"PrimalTrainer: ksvd_weight={eta!r} is not allowed: it must be a finite number >= 0.")
+    eta = loss_weight(eta, "PrimalTrainer: ksvd_weight")
     reduction = ksvd_reduction or spec.get("ksvd_reduction", "sequence")
     if reduction not in REDUCTIONS:
         raise ValueError(
