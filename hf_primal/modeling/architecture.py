@@ -146,6 +146,14 @@ class Architecture(Layout):
         return [own, *(pattern.format(i=index) for pattern in self.legacy_value_keys)]
 
 
+def ignore_on_load(model: nn.Module, patterns: list[str]) -> None:
+    """Keep the checkpoint keys matching `patterns` (the value projections primal layers no longer have) out of
+    `model`'s load report, beside what it already ignores."""
+    if patterns:
+        already = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+        model._keys_to_ignore_on_load_unexpected = already | set(patterns)
+
+
 def base_model(model: nn.Module) -> tuple[nn.Module, str]:
     """The model's base model (``model.bert`` of a BertForSequenceClassification; the model itself when it is one)
     and the prefix of its module names in `model` (``"bert."``, or ``""``)."""

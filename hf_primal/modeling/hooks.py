@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from torch import nn
 
-from .architecture import Architecture, convert_layers, init_primal_core, prepare_primal_cache
+from .architecture import Architecture, convert_layers, ignore_on_load, init_primal_core, prepare_primal_cache
 
 # The attribute hf_primal's patched methods carry. A string, not an identity check: the shareable classes compare
 # it on whatever transformers method is in place, from any copy of this module.
@@ -43,9 +43,7 @@ def post_init(model: nn.Module, architecture: Architecture, stock_post_init: Cal
     exactly the new primal tensors as missing and fills q/k/out), then run transformers' ``post_init``."""
     ignore = convert_layers(model, architecture)
     stock_post_init()
-    if ignore:
-        # Value projections of primal layers are gone on purpose: keep them out of the load report.
-        model._keys_to_ignore_on_load_unexpected = set(model._keys_to_ignore_on_load_unexpected or ()) | set(ignore)
+    ignore_on_load(model, ignore)
 
 
 def init_weights(module: nn.Module) -> None:

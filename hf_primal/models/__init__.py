@@ -67,7 +67,11 @@ def drop_value_renamings(model: nn.Module, conversions: list) -> list:
     spec = getattr(getattr(model, "config", None), "primal_attention", None)
     if spec is None or not conversions:
         return conversions
-    value_attrs = {a.value_attr for a in ARCHITECTURES if a.value_attr}
+    try:
+        own = find_architecture(model).value_attr  # this model's value projection, not every architecture's
+    except ValueError:
+        return conversions
+    value_attrs = {own} if own else set()
     keys = None
     kept = []
     for transform in conversions:

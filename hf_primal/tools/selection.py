@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..modeling.architecture import base_model
+from ..modeling.architecture import base_model, ignore_on_load
 from ..modeling.config import PrimalAttentionConfig
 from ..models import apply_primal_attention, find_architecture
 from ..training.calibration import collect_batches
@@ -34,9 +34,7 @@ def swap_to_primal(model: nn.Module, spec: PrimalAttentionConfig) -> None:
     gets the model's own Linear initialisation, as the load-time hook `_init_weights` would give it.
     """
     model.config.primal_attention = spec.to_dict()
-    ignore = apply_primal_attention(model)
-    already_ignored = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
-    model._keys_to_ignore_on_load_unexpected = already_ignored | set(ignore)
+    ignore_on_load(model, apply_primal_attention(model))
     std = getattr(model.config, "initializer_range", 0.02)
     layers = find_architecture(model).list_layers(base_model(model)[0])
     for index in spec.resolve_layers(len(layers)):
