@@ -1,6 +1,7 @@
 """The suite's own machinery in tests/conftest.py: the `slow` marker table names tests that exist (a renamed test
 would silently join the quick subset), and child processes compute with this process's thread count."""
 
+import os
 import re
 import subprocess
 import sys
@@ -35,4 +36,16 @@ def test_a_child_process_computes_with_this_process_thread_count():
 
 
 def test_the_thread_count_is_back_after_a_test_that_changed_it():
-    assert torch.get_num_threads() == SESSION_THREADS  # the test above set 1
+    if os.environ.get("HF_PRIMAL_INNER_RUN"):  # the inner run below, right after the test that set 1 thread
+        assert torch.get_num_threads() == SESSION_THREADS == 2
+        return
+    # Run alone this test would prove nothing, so it runs the pair in a fresh pytest with 2 threads: the test that
+    # sets 1 thread, then this one, which must find 2 again.
+    pair = [f"{Path(__file__).name}::{name}" for name in (
+        "test_a_child_process_computes_with_this_process_thread_count",
+        "test_the_thread_count_is_back_after_a_test_that_changed_it")]
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pair],
+                            cwd=TESTS, env=child_env(OMP_NUM_THREADS="2", HF_PRIMAL_INNER_RUN="1",
+                                                     PYTHONPATH=str(TESTS.parent)),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "2 passed" in result.stdout, result.stdout[-3000:] + result.stderr[-2000:]
