@@ -19,7 +19,7 @@ import tempfile
 import pytest
 import torch
 import transformers
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from hf_primal import PrimalAttentionConfig
@@ -241,8 +241,16 @@ def test_random_packed_rows_equal_the_same_sequences_padded(name, lengths, layer
     positions = torch.cat([CASES[name].first_position + torch.arange(n) for n in lengths])[None]
     # Decoders: transformers reads packing from the positions only without a cache (softmax attention alike).
     extra = {"use_cache": False} if name == "gpt2" else {}
-    with torch.no_grad():
-        padded = model(input_ids=ids, attention_mask=mask, **extra).last_hidden_state[mask.bool()]
-        packed = model(input_ids=packed_ids, position_ids=positions, **extra).last_hidden_state[0]
-    assert torch.isfinite(packed).all()
-    assert float((packed - padded).abs().max()) <= 1e-5
+
+    def gap(net):
+        with torch.no_grad():
+            padded = net(input_ids=ids, attention_mask=mask, **extra).last_hidden_state[mask.bool()]
+            packed = net(input_ids=packed_ids, position_ids=positions, **extra).last_hidden_state[0]
+        assert torch.isfinite(packed).all()
+        return float((packed - padded).abs().max())
+
+    # Only rows that transformers' own masks keep apart: transformers 5.23 reads a row of length-1 sequences
+    # (positions 0, 0, ...) as one sequence, the stock model included; later releases split it.
+    stock = _models.setdefault(("stock", name), CASES[name].model("base").eval())
+    assume(gap(stock) <= 1e-5)
+    assert gap(model) <= 1e-5
