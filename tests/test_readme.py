@@ -296,6 +296,25 @@ def test_long_document_figures_are_those_of_the_results_files():
         assert line in README, line
 
 
+def uncertainty_rows(summary) -> list[str]:
+    """docs/benchmarks.md's uncertainty table, from scripts/results/uncertainty_summary.csv."""
+    def cell(r, key, scale=100.0, digits=1):
+        return f"{scale * float(r[key + '_mean']):.{digits}f} ± {scale * float(r[key + '_std']):.{digits}f}"
+
+    return [f"| {r['task']} | {r['method']} | {r['seeds']} | {cell(r, 'accuracy')} | {cell(r, 'ece')} | "
+            f"{cell(r, 'nll', 1.0, 3)} | {cell(r, 'brier', 1.0, 3)} | {cell(r, 'aurc', 1000.0)} | "
+            f"{cell(r, 'misclassification_auroc')} | {cell(r, 'ood_auroc')} | "
+            f"{float(r['relative_time_mean']):.1f}x |" for r in summary]
+
+
+def test_uncertainty_figures_are_those_of_the_results_files():
+    rows = uncertainty_rows(_csv_rows(ROOT / "scripts" / "results" / "uncertainty_summary.csv"))
+    benchmarks = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    assert len(rows) >= 6
+    for line in rows:
+        assert line in benchmarks, line
+
+
 def test_conversion_and_headline_figures_are_those_of_the_results_files():
     results = ROOT / "scripts" / "results"
     conversion = (ROOT / "docs" / "conversion.md").read_text(encoding="utf-8")
