@@ -27,7 +27,7 @@ Methods (per seed; ``uncertainty.csv``, mean ± std over seeds in ``uncertainty_
 
 Columns: accuracy, ECE (15 bins), NLL, Brier, AURC, misclassification AUROC, OOD AUROC (maximum probability as the
 score, in-distribution positive), inference time relative to one stock forward over the test split. A reliability
-diagram (``uncertainty.png``) pools the test predictions of every seed.
+diagram per task (``uncertainty_<task>.png``) pools the test predictions of every seed.
 
     pip install -e ".[bench]"
     python scripts/benchmark_uncertainty.py              # 3 seeds, one thread (about an hour on a CPU core)
@@ -53,7 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bbc_news  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-CSV, SUMMARY_CSV, PNG = "uncertainty.csv", "uncertainty_summary.csv", "uncertainty.png"
+CSV, SUMMARY_CSV, PNG = "uncertainty.csv", "uncertainty_summary.csv", "uncertainty_{task}.png"
 SELECTION_CSV = "uncertainty_selection.csv"
 TASKS_ORDER = ("bbc_sentences", "digits_vit")
 METHODS = ("msp", "temperature", "mc_dropout", "ensemble", "kep_svgp", "kep_svgp+temperature")
@@ -415,7 +415,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                f"{100 * r['ece']:.1f} ood {100 * r['ood_auroc']:.1f}" for r in new),
                   flush=True)
     write_rows(out / SUMMARY_CSV, summarise(rows))
-    reliability_plot(out / PNG, pooled)
+    for name, by_method in pooled.items():  # one file per task: a run of one task leaves the others' diagrams
+        reliability_plot(out / PNG.format(task=name), {name: by_method})
     return 0
 
 

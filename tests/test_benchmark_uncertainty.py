@@ -43,7 +43,8 @@ def test_quick_run_has_every_method_and_sane_metrics(tmp_path):
     by = {r["method"]: r for r in rows if r["task"] == "bbc_sentences"}
     assert float(by["msp"]["accuracy"]) == float(by["temperature"]["accuracy"])  # a temperature keeps the argmax
     assert float(by["temperature"]["temperature"]) > 0 and float(by["msp"]["relative_time"]) == 1.0
-    assert (tmp_path / bench.PNG).stat().st_size > 10_000
+    for task in bench.TASKS_ORDER:
+        assert (tmp_path / bench.PNG.format(task=task)).stat().st_size > 10_000
     with open(tmp_path / bench.SELECTION_CSV, newline="") as handle:
         selection = list(csv.DictReader(handle))
     assert [float(r["eta_kl"]) for r in selection] == [0.0, 1e-3] * 2  # the quick run's candidates, per task
