@@ -149,13 +149,9 @@ class KEPSVGPCore(nn.Module):
         # The KL, for the trainer's loss: computed here, where the parameters are whole even when sharded (FSDP).
         self.kl_term = self.kl_divergence() if torch.is_grad_enabled() else None
         if segments is not None:
-            packing = _Packing.build(segments)
-            y, terms = self.noncausal(*packing.pack_inputs(q, k, x, valid))
-            y = packing.unpack(y.transpose(1, 2)).transpose(1, 2)
-            terms = KSVDTerms(packing.per_row(terms.e_sum), packing.per_row(terms.r_sum),
-                              packing.per_row(terms.count), terms.trace)
-            return y, terms, None
-        y, terms = self.noncausal(q, k, x, valid)
+            y, terms = _Packing.build(segments).run_noncausal(self.noncausal, q, k, x, valid)
+        else:
+            y, terms = self.noncausal(q, k, x, valid)
         return y, terms, None
 
     def scores(

@@ -104,6 +104,14 @@ class _Packing(NamedTuple):
             self.pack(keep),
         )
 
+    def run_noncausal(self, noncausal, q, k, x, valid):
+        """`noncausal` (q, k, x, valid -> y, KSVD terms) with every packed segment run as a sequence of its own: y as
+        a (B, H, N, d) view of (B, N, H, d), like the unpacked path, and the terms summed per row."""
+        y, terms = noncausal(*self.pack_inputs(q, k, x, valid))
+        y = self.unpack(y.transpose(1, 2)).transpose(1, 2)
+        return y, type(terms)(self.per_row(terms.e_sum), self.per_row(terms.r_sum), self.per_row(terms.count),
+                              terms.trace)
+
 
 def prefix_mean_features(
     v: torch.Tensor,

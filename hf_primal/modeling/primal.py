@@ -312,12 +312,7 @@ class PrimalCore(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, x: torch.Tensor, valid: Optional[torch.Tensor], segments: torch.Tensor
     ) -> tuple[torch.Tensor, KSVDTerms]:
         """`noncausal` with every packed segment run as a sequence of its own (zero-padded to the longest)."""
-        packing = _Packing.build(segments)
-        y, terms = self.noncausal(*packing.pack_inputs(q, k, x, valid))
-        y = packing.unpack(y.transpose(1, 2)).transpose(1, 2)  # a view of (B, N, H, d), like the unpacked path
-        terms = KSVDTerms(packing.per_row(terms.e_sum), packing.per_row(terms.r_sum), packing.per_row(terms.count),
-                          terms.trace)
-        return y, terms
+        return _Packing.build(segments).run_noncausal(self.noncausal, q, k, x, valid)
 
     # ------------------------------------------------------------------ attention matrix
     def key_features(
