@@ -10,7 +10,11 @@ but never read to choose. Three grids:
   each interval), fewer slots (m), and weight decay, against the trained no-attention floor and sdpa;
 * ``lr``: learning rates 1e-4, 3e-4, 1e-3 with the benchmark's warm-up, and the paper's LRA recipe (lr 1e-4, AdamW
   eps 1e-6, 40% warm-up: 8,000 of 20,000 steps), for sdpa, Primal., Primal.+ and no-attention alike;
-* ``data``: 25 / 50 / 100% of the training articles (stratified; the same number of steps) for the same four.
+* ``data``: 25 / 50 / 100% of the training articles (stratified; the same number of steps) for the same four;
+* ``capacity``: segment means with m = 1, 2, 4 (p = m s slots) for Primal. and Primal.+, run at the table's length
+  (``--length 2048``): with m = 1 each slot summarises N / s bytes, so the slot width grows with N; m = 4 at 2048
+  keeps the width that won at 512. A run the long-document table already holds with the same arguments (its
+  ``long_documents.csv`` in ``--out-dir``) is read from there, not run again.
 
 Outputs in ``--out-dir``: ``long_documents_study.csv`` (one row per run; a rerun resumes),
 ``long_documents_study_summary.csv`` (mean and std over seeds per grid, setting and variant) and
@@ -35,6 +39,8 @@ from typing import Any, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchmark_long_documents as bench  # noqa: E402
+
+from hf_primal import PrimalAttentionConfig  # noqa: E402
 
 STUDY_CSV, STUDY_SUMMARY_CSV, STUDY_PNG = ("long_documents_study.csv", "long_documents_study_summary.csv",
                                           "long_documents_study.png")
@@ -74,12 +80,14 @@ def grid(name: str, sampling: str, learning_rate: float = 1e-3, rank_multi: int 
     if name == "data":
         return [(v, {"train_fraction": frac, "learning_rate": learning_rate, **chosen})
                 for frac in (0.25, 0.5, 1.0) for v in FOUR]
-    raise ValueError(f"grid {name!r} is not allowed: use options, lr or data")
+    if name == "capacity":
+        return [(v, {"sampling": "segment_mean", "rank_multi": m}) for v in ("primal", "primal-last") for m in (1, 2, 4)]
+    raise ValueError(f"grid {name!r} is not allowed: use options, lr, data or capacity")
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--grid", default="options,lr,data", help="comma-separated: options, lr, data")
+    p.add_argument("--grid", default="options,lr,data", help="comma-separated: options, lr, data, capacity")
     p.add_argument("--length", type=int, default=512)
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--sampling", default="even", help="the primal sampling rule of the lr and data grids")
@@ -131,12 +139,31 @@ def planned(args: argparse.Namespace) -> list[tuple[str, dict[str, Any], int]]:
     return out
 
 
+def from_table(args: argparse.Namespace, variant: str, overrides: dict[str, Any], seed: int) -> Optional[dict]:
+    """The long-document table's run of (variant, N, seed) as a study row when the table trained it with exactly the
+    arguments this run would have (the table's own defaults), else None."""
+    table = bench.parse_args(["--lengths", str(args.length)])
+    table.sampling = table.sampling or PrimalAttentionConfig().sampling
+    mine = _bench_args(args, overrides)
+    if any(getattr(mine, key) != getattr(table, key) for key in DEFAULTS):
+        return None
+    for row in bench.read_rows(Path(args.out_dir) / bench.RUNS_CSV):
+        if (row["variant"], row["n"], row["seed"], row["status"]) == (variant, str(args.length), str(seed), "ok"):
+            return {"setting": setting_name(variant, overrides), **row}
+    return None
+
+
 def run(args: argparse.Namespace) -> None:
     from tqdm.auto import tqdm
 
     path = Path(args.out_dir) / STUDY_CSV
     rows = bench.read_rows(path)
     done = {_key(r) for r in rows}
+    for variant, overrides, seed in planned(args):
+        row = from_table(args, variant, overrides, seed)
+        if row is not None and _key(row) not in done:
+            rows.append(row)
+            done.add(_key(row))
     todo = [(args, variant, overrides, seed) for variant, overrides, seed in planned(args)
             if (setting_name(variant, overrides), variant, str(args.length), str(seed)) not in done]
     pool = mp.get_context("spawn").Pool(args.workers, maxtasksperchild=1) if args.workers > 1 else None
@@ -191,12 +218,12 @@ def plot(path: Path, summary: list[dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    grids = [g for g in ("options", "lr", "data") if any(s["grid"] == g for s in summary)]
+    grids = [g for g in ("options", "capacity", "lr", "data") if any(s["grid"] == g for s in summary)]
     fig, axes = plt.subplots(1, len(grids), figsize=(6.5 * len(grids), 4.8), squeeze=False)
     colors = {"sdpa": "tab:blue", "primal": "tab:red", "primal-last": "tab:pink", bench.NO_ATTENTION: "tab:gray"}
     for ax, grid_name in zip(axes[0], grids):
         items = [s for s in summary if s["grid"] == grid_name]
-        if grid_name == "options":
+        if grid_name in ("options", "capacity"):
             ax.bar(range(len(items)), [100 * s["val_accuracy_mean"] for s in items],
                    yerr=[100 * s["val_accuracy_std"] for s in items],
                    color=[colors.get(s["variant"], "black") for s in items], alpha=0.7)

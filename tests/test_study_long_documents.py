@@ -84,3 +84,30 @@ def test_quick_run_rows_feed_the_summary(tmp_path):
         assert float(item["val_accuracy_mean"]) == pytest.approx(float(run["val_accuracy"]))
         assert float(item["train_accuracy_mean"]) == pytest.approx(float(run["train_accuracy"]))
     assert (tmp_path / study.STUDY_PNG).stat().st_size > 10_000
+
+
+def test_the_capacity_grid_reads_the_table_run_with_the_same_arguments_and_no_other(tmp_path):
+    table = {"n": "2048", "seed": "0", "status": "ok", "train_accuracy": "0.5", "val_accuracy": "0.6",
+             "accuracy": "0.55", "val_curve": ""}
+    fields = ["n", "variant", "seed", "status", "train_accuracy", "val_accuracy", "accuracy", "val_curve"]
+    rows = [{**table, "variant": "primal"}, {**table, "variant": "primal-last", "status": "failed"}]
+    with open(tmp_path / "long_documents.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    args = study.parse_args(["--grid", "capacity", "--length", "2048", "--seeds", "0", "--out-dir", str(tmp_path)])
+    plan = study.planned(args)
+    assert [(v, o["rank_multi"]) for v, o, _ in plan] == [(v, m) for v in ("primal", "primal-last") for m in (1, 2, 4)]
+    reused = {(v, o["rank_multi"]): study.from_table(args, v, o, s) for v, o, s in plan}
+    # The table's primal run is m = 1 with segment means at the benchmark's recipe: the same run.
+    assert reused[("primal", 1)]["setting"] == "sampling=segment_mean,rank_multi=1"
+    assert reused[("primal", 1)]["val_accuracy"] == "0.6"
+    assert reused[("primal", 2)] is None and reused[("primal", 4)] is None  # other slots: not the table's run
+    assert reused[("primal-last", 1)] is None  # a failed run is not reused
+    other_lr = study.parse_args(["--grid", "capacity", "--length", "2048", "--seeds", "0", "--out-dir",
+                                 str(tmp_path), "--learning-rate", "3e-4"])
+    assert study.from_table(other_lr, "primal", {"sampling": "segment_mean", "rank_multi": 1, "learning_rate": 3e-4},
+                            0) is None
+    # Another length: the table's run at 2048 is not the run at 1024.
+    at_1024 = study.parse_args(["--grid", "capacity", "--length", "1024", "--seeds", "0", "--out-dir", str(tmp_path)])
+    assert study.from_table(at_1024, "primal", {"sampling": "segment_mean", "rank_multi": 1}, 0) is None
