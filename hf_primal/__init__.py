@@ -8,9 +8,6 @@ option::
     model = AutoModelForSequenceClassification.from_pretrained(path, primal_attention={"layers": [-1]})
 """
 
-import os
-import sys
-
 from .modeling.config import VERSION as __version__
 
 __all__ = [
@@ -25,6 +22,7 @@ __all__ = [
     "PrimalTrainer",
     "lora_config",
     "convert",
+    "ConversionArguments",
     "layer_sensitivity",
     "LayerSensitivity",
     "knn_accuracy",
@@ -42,7 +40,11 @@ _LOADED = False
 
 
 def _import_all() -> None:
-    """Import the API (torch, transformers) and install the hooks; idempotent."""
+    """Import the API (torch, transformers) and install the hooks; idempotent.
+
+    Eager on every ``import hf_primal``, whatever the process: the hooks must be in place before the user builds a
+    model.
+    """
     global _LOADED
     if _LOADED:
         return
@@ -57,6 +59,7 @@ def _import_all() -> None:
     from .modeling.primal import KSVDTerms, PrimalCore
     from .models import SUPPORTED_ARCHITECTURES, apply_primal_attention
     from .tools.analysis import LayerSpectrum, attention_spectrum, plot_attention_spectrum
+    from .tools.conversion_arguments import ConversionArguments
     from .tools.convert import convert, text_batches
     from .tools.embedding_metrics import knn_accuracy, neighbour_overlap
     from .tools.selection import LayerSensitivity, layer_sensitivity
@@ -72,28 +75,4 @@ def _import_all() -> None:
     _LOADED = True
 
 
-def _started_as_cli() -> bool:
-    """True while the `hf-primal` script or ``python -m hf_primal.tools.cli`` is starting up.
-
-    That process runs only the CLI, which calls `_import_all` before any command, so `--help` and argument errors
-    answer without importing torch and transformers (seconds). Every other ``import hf_primal`` is eager: the hooks
-    must be in place before the user builds a model.
-    """
-    argv = getattr(sys, "argv", None) or [""]
-    script = os.path.splitext(os.path.basename(argv[0]))[0]
-    if script in ("hf-primal", "hf-primal-script"):
-        return True
-    # Under `python -m`, sys.argv[0] is "-m" while the parent packages of the target module are imported.
-    return argv[0] == "-m" and "hf_primal.tools.cli" in getattr(sys, "orig_argv", ())
-
-
-def __getattr__(name: str):
-    # Only reached in a CLI process before `_import_all` ran (elsewhere everything is imported eagerly).
-    if name in __all__:
-        _import_all()
-        return globals()[name]
-    raise AttributeError(f"module 'hf_primal' has no attribute {name!r}")
-
-
-if not _started_as_cli():
-    _import_all()
+_import_all()

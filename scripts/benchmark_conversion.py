@@ -41,7 +41,7 @@ import bbc_news  # noqa: E402
 import hf_primal  # noqa: E402
 from hf_primal import PrimalAttentionConfig, PrimalTrainer, convert  # noqa: E402
 from hf_primal.tools.convert import text_batches  # noqa: E402
-from hf_primal.tools.demo import minilm_path  # noqa: E402
+from hf_primal.tools.data import minilm_path  # noqa: E402
 from hf_primal.training.teacher_loss import masked_mean_pool  # noqa: E402
 
 VARIANTS = ("stock", "naive-last", "recipe-last", "naive-all", "recipe-all")

@@ -121,7 +121,7 @@ def _data(args):
 def _tokenizer():
     from transformers import AutoTokenizer
 
-    from hf_primal.tools.demo import minilm_path
+    from hf_primal.tools.data import minilm_path
 
     return AutoTokenizer.from_pretrained(minilm_path())
 
@@ -172,7 +172,7 @@ def _train(model, tokenizer, train_rows, args, seed, workdir, *, teacher=None, u
 def job_teacher(args, task_name, seed):
     from transformers import BertForSequenceClassification
 
-    from hf_primal.tools.demo import minilm_path
+    from hf_primal.tools.data import minilm_path
 
     tasks, _ = _data(args)
     tokenizer, task = _tokenizer(), tasks[task_name]
@@ -189,7 +189,7 @@ def job_teacher(args, task_name, seed):
 def job_plain(args, task_name, seed):
     from transformers import BertForSequenceClassification
 
-    from hf_primal.tools.demo import minilm_path
+    from hf_primal.tools.data import minilm_path
 
     tasks, _ = _data(args)
     tokenizer, task = _tokenizer(), tasks[task_name]
@@ -207,7 +207,7 @@ def job_sensitivity(args):
     from transformers import BertModel
 
     from hf_primal import layer_sensitivity, text_batches
-    from hf_primal.tools.demo import minilm_path
+    from hf_primal.tools.data import minilm_path
 
     _, unlabeled = _data(args)
     batches = text_batches(_tokenizer(), unlabeled[:1600], 32, args.max_length)  # 40 to train on, 10 held out
@@ -241,7 +241,7 @@ def job_embeddings(args, selection, k):
     from transformers import BertModel
 
     from hf_primal import convert, knn_accuracy, neighbour_overlap, text_batches
-    from hf_primal.tools.demo import minilm_path
+    from hf_primal.tools.data import minilm_path
 
     tasks, unlabeled = _data(args)
     tokenizer = _tokenizer()
@@ -399,7 +399,7 @@ def run_timing(args) -> None:
     """Inference time per batch of each K relative to stock, all in this process (`--timing-threads`)."""
     from transformers import BertConfig, BertModel
 
-    from hf_primal.tools.demo import minilm_path
+    from hf_primal.tools.data import minilm_path
 
     _setup()
     torch.set_num_threads(args.timing_threads)

@@ -311,7 +311,7 @@ def minilm_job(opts: Options) -> list[dict[str, Any]]:
     from transformers.utils import logging as hf_logging
 
     from hf_primal import PrimalAttentionConfig, convert
-    from hf_primal.tools.demo import minilm_path
+    from hf_primal.tools.data import minilm_path
     from hf_primal.training.teacher_loss import masked_mean_pool
 
     hf_logging.set_verbosity_error()

@@ -126,7 +126,7 @@ class TextTask:
     def __init__(self, args: argparse.Namespace) -> None:
         from transformers import AutoTokenizer
 
-        from hf_primal.tools.demo import minilm_path
+        from hf_primal.tools.data import minilm_path
 
         self.args, self.path = args, minilm_path()
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)

@@ -11,6 +11,8 @@ but never read to choose. Three grids:
 * ``lr``: learning rates 1e-4, 3e-4, 1e-3 with the benchmark's warm-up, and the paper's LRA recipe (lr 1e-4, AdamW
   eps 1e-6, 40% warm-up: 8,000 of 20,000 steps), for sdpa, Primal., Primal.+ and no-attention alike;
 * ``data``: 25 / 50 / 100% of the training articles (stratified; the same number of steps) for the same four;
+* ``budget``: 8 / 16 / 32 epochs (41 steps each) for the same four, with the chosen primal rule: whether a variant
+  is limited by what it can learn or by the steps it gets (the table's budget is 8 epochs);
 * ``capacity``: segment means with m = 1, 2, 4 (p = m s slots) for Primal. and Primal.+, run at the table's length
   (``--length 2048``): with m = 1 each slot summarises N / s bytes, so the slot width grows with N; m = 4 at 2048
   keeps the width that won at 512. A run the long-document table already holds with the same arguments (its
@@ -47,7 +49,7 @@ STUDY_CSV, STUDY_SUMMARY_CSV, STUDY_PNG = ("long_documents_study.csv", "long_doc
 FOUR = ("sdpa", "primal", "primal-last", bench.NO_ATTENTION)
 # The benchmark's own recipe; a run's setting names only what it changes, so a run shared by two grids runs once.
 DEFAULTS = {"learning_rate": 1e-3, "adam_eps": 1e-8, "warmup": 0.1, "weight_decay": 0.0, "train_fraction": 1.0,
-            "sampling": "even", "rank_multi": 10}
+            "sampling": "even", "rank_multi": 10, "epochs": 8.0}
 PRIMAL_ONLY = ("sampling", "rank_multi")
 PAPER = {"learning_rate": 1e-4, "adam_eps": 1e-6, "warmup": 0.4}  # LRA Text: 8,000 warm-up steps of 20,000
 
@@ -80,14 +82,16 @@ def grid(name: str, sampling: str, learning_rate: float = 1e-3, rank_multi: int 
     if name == "data":
         return [(v, {"train_fraction": frac, "learning_rate": learning_rate, **chosen})
                 for frac in (0.25, 0.5, 1.0) for v in FOUR]
+    if name == "budget":
+        return [(v, {"epochs": epochs, **chosen}) for epochs in (8.0, 16.0, 32.0) for v in FOUR]
     if name == "capacity":
         return [(v, {"sampling": "segment_mean", "rank_multi": m}) for v in ("primal", "primal-last") for m in (1, 2, 4)]
-    raise ValueError(f"grid {name!r} is not allowed: use options, lr, data or capacity")
+    raise ValueError(f"grid {name!r} is not allowed: use options, lr, data, budget or capacity")
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--grid", default="options,lr,data", help="comma-separated: options, lr, data, capacity")
+    p.add_argument("--grid", default="options,lr,data", help="comma-separated: options, lr, data, budget, capacity")
     p.add_argument("--length", type=int, default=512)
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--sampling", default="even", help="the primal sampling rule of the lr and data grids")
@@ -110,7 +114,8 @@ def _bench_args(args: argparse.Namespace, overrides: dict[str, Any]) -> argparse
     if args.quick:
         out.lengths = [args.length]
     for key, value in {**DEFAULTS, **overrides}.items():
-        setattr(out, key, value)
+        if not (args.quick and key == "epochs" and key not in overrides):  # a smoke run keeps its own short budget
+            setattr(out, key, value)
     return out
 
 
@@ -218,7 +223,7 @@ def plot(path: Path, summary: list[dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    grids = [g for g in ("options", "capacity", "lr", "data") if any(s["grid"] == g for s in summary)]
+    grids = [g for g in ("options", "capacity", "lr", "data", "budget") if any(s["grid"] == g for s in summary)]
     fig, axes = plt.subplots(1, len(grids), figsize=(6.5 * len(grids), 4.8), squeeze=False)
     colors = {"sdpa": "tab:blue", "primal": "tab:red", "primal-last": "tab:pink", bench.NO_ATTENTION: "tab:gray"}
     for ax, grid_name in zip(axes[0], grids):
@@ -233,8 +238,9 @@ def plot(path: Path, summary: list[dict]) -> None:
                           fontsize=6)
             ax.legend(fontsize=7)
         else:
-            field, default, label = (("learning_rate", DEFAULTS["learning_rate"], "learning rate") if grid_name == "lr"
-                                     else ("train_fraction", 1.0, "share of the training articles"))
+            field, default, label = {"lr": ("learning_rate", DEFAULTS["learning_rate"], "learning rate"),
+                                     "data": ("train_fraction", 1.0, "share of the training articles"),
+                                     "budget": ("epochs", DEFAULTS["epochs"], "epochs (41 steps each)")}[grid_name]
             for variant in FOUR:
                 points = sorted((_field(s["setting"], field, default), 100 * s["val_accuracy_mean"])
                                 for s in items if s["variant"] == variant and "adam_eps" not in s["setting"])

@@ -51,7 +51,7 @@ def quick_run(tmp_path_factory):
 def test_quick_run_stock_rows_equal_an_independent_evaluation(quick_run):
     from transformers import AutoTokenizer, BertForSequenceClassification
 
-    from hf_primal.tools.demo import minilm_path
+    from hf_primal.tools.data import minilm_path
 
     out, read = quick_run
     rows = read("conversion_tasks.csv")

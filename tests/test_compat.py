@@ -40,7 +40,8 @@ def test_every_listed_internal_resolves_on_the_installed_transformers():
     assert all(hasattr(owner, entry.path.rpartition(".")[2]) for owner, entry in zip(owners, compat.INTERNALS))
 
 
-@pytest.mark.parametrize("entry", compat.INTERNALS, ids=lambda e: e.path.replace("transformers.", ""))
+@pytest.mark.parametrize("entry", [e for e in compat.INTERNALS if not e.added],
+                         ids=lambda e: e.path.replace("transformers.", ""))
 def test_a_missing_internal_is_named_with_version_and_range(entry, monkeypatch):
     owner, name = _owner_and_name(entry.path)
     # Remove it wherever the lookup could find it (the owner and, for classes, every base defining it).
@@ -82,25 +83,59 @@ def test_every_patched_internal_is_replaced_by_hf_primal():
         assert func.__module__.startswith("hf_primal."), path
 
 
-def test_nothing_is_patched_that_is_not_listed():
-    listed = set(compat.patched_internals())
-    owners = {
-        "transformers.modeling_utils.PreTrainedModel": PreTrainedModel,
-        "transformers.configuration_utils.PreTrainedConfig": PreTrainedConfig,
-        "transformers.generation.utils.GenerationMixin": GenerationMixin,
-    }
-    for prefix, cls in owners.items():
-        for name, value in vars(cls).items():
-            func = getattr(value, "__func__", value)
-            if callable(func) and getattr(func, "__module__", "").startswith("hf_primal"):
-                assert f"{prefix}.{name}" in listed, f"{prefix}.{name} is patched but not in compat.INTERNALS"
-    from transformers import conversion_mapping
+def _hf_primal_attributes() -> set[str]:
+    """Every attribute of a loaded transformers module or of a class defined in one that holds an hf_primal
+    function or class, or whose name says primal: what hf_primal changed in transformers."""
+    found = set()
+    for module_name, module in list(sys.modules.items()):
+        if not (module_name == "transformers" or module_name.startswith("transformers.")) or module is None:
+            continue
+        owners = [(module_name, module)] + list({  # a class under two names (an alias) once, by its own name
+            f"{module_name}.{value.__qualname__}": value for value in list(vars(module).values())
+            if isinstance(value, type) and value.__module__ == module_name}.items())
+        for owner_name, owner in owners:
+            for name, value in list(vars(owner).items()):
+                func = getattr(value, "__func__", value)
+                defined_in = getattr(func, "__module__", None) or ""
+                if defined_in.startswith("hf_primal") or "primal" in name.lower():
+                    found.add(f"{owner_name}.{name}")
+    return found
 
-    assert conversion_mapping.get_model_conversion_mapping.__module__.startswith("hf_primal")
+
+def test_nothing_is_patched_that_is_not_listed():
+    changed = _hf_primal_attributes()
+    assert "transformers.configuration_utils.PreTrainedConfig.primal_attention" in changed  # the walk sees it
+    assert changed == set(compat.applied()), changed ^ set(compat.applied())
+    listed = {e.path for e in compat.INTERNALS if e.patched or e.added}
+    names = {path.rpartition(".")[2]: path for path in listed}
+    for path in compat.applied():  # each one a listed internal, or a module's own reference to a listed function
+        assert path in listed or names.get(path.rpartition(".")[2], "").count(".") > 1, path
     with pytest.raises(KeyError, match="not listed"):
         compat.patch("transformers.modeling_utils.PreTrainedModel.from_pretrained", None)
     with pytest.raises(KeyError, match="relied on, not patched"):
         compat.patch("transformers.trainer.Trainer.log", None)
+    with pytest.raises(KeyError, match="not as added"):
+        compat.add("transformers.trainer.Trainer.log", None)
+
+
+def test_a_patch_outside_compat_is_found():
+    from transformers import Trainer
+
+    def stray(self):  # defined here, so not hf_primal's: give it hf_primal's module name as a stray patch would
+        return None
+
+    stray.__module__ = "hf_primal.integration.patching"
+    Trainer._stray_hook = stray
+    try:
+        assert "transformers.trainer.Trainer._stray_hook" in _hf_primal_attributes()
+    finally:
+        del Trainer._stray_hook
+
+
+def test_an_added_attribute_transformers_already_has_is_refused(monkeypatch):
+    entry = compat.Internal("transformers.trainer.Trainer.log", "probe", added=True)
+    with pytest.raises(compat.IncompatibleTransformersError, match="already has an attribute of its own"):
+        compat.check_transformers((entry,))
 
 
 def test_import_fails_clearly_when_transformers_lacks_a_hooked_internal():

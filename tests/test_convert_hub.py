@@ -306,7 +306,7 @@ def test_model_push_to_hub_uploads_the_shareable_folder(tmp_path, monkeypatch):
 
 
 def _minilm():
-    from hf_primal.tools.demo import minilm_path
+    from hf_primal.tools.data import minilm_path
 
     return minilm_path()
 

@@ -6,6 +6,8 @@
 - The architecture modules (`hf_primal.models.<arch>`) import hf_primal only from `..modeling`, so that their
   flattened copy (``modeling_primal_<arch>.py``) finds everything beside it.
 - No module of the package is over 400 lines, no function over 60.
+- No arrow runs back up: no module below the package imports its ``__init__`` (``from .. import``, ``import
+  hf_primal``); each takes what it needs from the room that defines it.
 """
 
 import ast
@@ -101,3 +103,40 @@ def test_each_rule_has_one_home(pattern, home):
     found = [str(path.relative_to(PACKAGE)) for path in sorted(PACKAGE.rglob("*.py"))
              if pattern in path.read_text(encoding="utf-8")]
     assert found == home.split(), found
+
+
+def _upward(path: Path) -> list[str]:
+    """The imports of `path` that resolve to the package's own ``__init__``."""
+    up = len(path.relative_to(PACKAGE).parts)  # the level of "from .. import" that names hf_primal from here
+    found = []
+    for level, module, names in _imports(path):
+        if level == 0 and (module == "hf_primal" or (module == "" and "hf_primal" in names)):
+            found.append(f"import {module}")
+        elif level == up and not module:
+            found.append(f"from {'.' * level} import {', '.join(names)}")
+        elif level == 0 and module == "hf_primal" and names:
+            found.append(f"from hf_primal import {', '.join(names)}")
+    return found
+
+
+@pytest.mark.parametrize("path", sorted(p for p in PACKAGE.rglob("*.py") if p != PACKAGE / "__init__.py"),
+                         ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_module_imports_the_package_init(path):
+    assert _upward(path) == [], (str(path.relative_to(PACKAGE)), _upward(path))
+
+
+def test_the_upward_import_check_sees_both_spellings(tmp_path):
+    # A module one room down that reaches back up either way is caught (the check above cannot pass vacuously).
+    for text in ("from .. import convert\n", "import hf_primal\n", "def f():\n    from hf_primal import ksvd_loss\n"):
+        probe = PACKAGE / "tools" / "_probe_upward.py"
+        probe.write_text(text)
+        try:
+            assert _upward(probe), text
+        finally:
+            probe.unlink()
+    sibling = PACKAGE / "tools" / "_probe_sibling.py"
+    sibling.write_text("from ..modeling.config import PrimalAttentionConfig\nfrom . import demo\n")
+    try:
+        assert _upward(sibling) == []
+    finally:
+        sibling.unlink()

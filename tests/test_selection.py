@@ -122,7 +122,7 @@ def test_cli_converts_the_measured_layers(tmp_path, capsys):
     from transformers import AutoTokenizer, BertModel
 
     from hf_primal.tools.cli import main
-    from hf_primal.tools.demo import minilm_path
+    from hf_primal.tools.data import minilm_path
 
     src = tmp_path / "src"
     torch.manual_seed(0)

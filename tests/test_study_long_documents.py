@@ -111,3 +111,15 @@ def test_the_capacity_grid_reads_the_table_run_with_the_same_arguments_and_no_ot
     # Another length: the table's run at 2048 is not the run at 1024.
     at_1024 = study.parse_args(["--grid", "capacity", "--length", "1024", "--seeds", "0", "--out-dir", str(tmp_path)])
     assert study.from_table(at_1024, "primal", {"sampling": "segment_mean", "rank_multi": 1}, 0) is None
+
+
+def test_the_budget_grid_shares_the_eight_epoch_runs_and_a_smoke_run_keeps_its_budget():
+    args = study.parse_args(["--grid", "budget,lr", "--seeds", "0", "--sampling", "segment_mean", "--rank-multi", "1"])
+    keys = [(v, study.setting_name(v, o)) for v, o, _ in study.planned(args)]
+    assert len(keys) == len(set(keys))
+    # 8 epochs is the benchmark's budget: the same run as the lr grid's lr = 1e-3 one, named without epochs.
+    assert ("primal", "sampling=segment_mean,rank_multi=1") in keys and ("sdpa", "baseline") in keys
+    assert ("primal", "sampling=segment_mean,rank_multi=1,epochs=32") in keys and ("no-attention", "epochs=16") in keys
+    assert study._bench_args(args, {"epochs": 16.0}).epochs == 16.0
+    quick = study.parse_args(["--grid", "budget", "--quick", "--length", "96"])
+    assert study._bench_args(quick, {}).epochs == 1.0 and study._bench_args(quick, {"epochs": 2.0}).epochs == 2.0

@@ -5,7 +5,10 @@ transformers internals that are not public API. A release that renames one of th
 silently (a hook that never fires) or deep inside a forward pass. `check_transformers` resolves every entry of
 `INTERNALS` and checks the parameters hf_primal passes or receives, and raises `IncompatibleTransformersError` naming
 the installed transformers version, the missing piece and the supported range. `patching` takes the originals it
-wraps from here (`original`), so nothing is patched that is not listed.
+wraps from here (`original`) and changes transformers only through `patch` and `add`, which refuse anything not
+listed and record what they changed (`applied`); a test walks every transformers module and class and fails on an
+hf_primal object found anywhere else. (The primal cache layers bind a validating ``crop`` on the user's cache
+*instance*: that lives in the remote code, which cannot import this module, and changes no transformers class.)
 
 Keep `TRANSFORMERS_RANGE` equal to the requirement in setup.py (a test checks it); `.ci/run` runs the test suite on
 the lowest and the newest release in that range.
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +36,7 @@ class Internal:
     why: str  # what hf_primal does with it (shown in the error)
     params: tuple[str, ...] = ()  # parameter names the callable must accept
     patched: bool = False  # hf_primal replaces it (patching.install_hooks)
+    added: bool = False  # hf_primal adds it: transformers must not have it
 
     @property
     def private(self) -> bool:
@@ -49,6 +54,8 @@ INTERNALS: tuple[Internal, ...] = (
         f"{_PC}.__post_init__", "validate and normalise `primal_attention` when a config is created", patched=True
     ),
     Internal(f"{_PC}.to_dict", "serialise `primal_attention` as a plain dict", patched=True),
+    Internal(f"{_PC}.primal_attention", "route `from_pretrained(..., primal_attention=...)` into the config (a class "
+             "attribute, None)", added=True),
     Internal(f"{_PC}.get_config_dict", "read a saved primal_<arch> folder with the stock config class", patched=True),
     Internal(f"{_PM}.post_init", "convert the chosen layers before weights are initialised and loaded", patched=True),
     Internal(f"{_PM}._init_weights", "initialise the new primal parameters", ("module",), patched=True),
@@ -157,18 +164,59 @@ def _resolve(path: str) -> Any:
     raise ImportError(path)
 
 
+def _has(path: str) -> bool:
+    try:
+        _resolve(path)
+    except (ImportError, AttributeError):
+        return False
+    return True
+
+
 def original(path: str) -> Any:
     """The object at a listed `path` (plain attribute access: a classmethod comes back bound)."""
     return _resolve(_entry(path).path)
 
 
-def patch(path: str, replacement: Any) -> None:
-    """Replace a listed internal marked ``patched`` (so every patch hf_primal makes is in `INTERNALS`)."""
+_APPLIED: list[str] = []  # dotted paths of every attribute `patch` and `add` set, in order
+
+
+def patch(path: str, replacement: Any, where_imported: bool = False) -> None:
+    """Replace a listed internal marked ``patched`` (so every patch hf_primal makes is in `INTERNALS`).
+
+    With `where_imported`, also replace the references that transformers modules took with ``from x import name``
+    (a module function: those modules would otherwise keep calling the original).
+    """
     entry = _entry(path)
     if not entry.patched:
         raise KeyError(f"{path!r} is listed in hf_primal.integration.compat.INTERNALS as relied on, not patched")
     owner_path, _, name = entry.path.rpartition(".")
-    setattr(_resolve(owner_path), name, replacement)
+    original_value = _resolve(entry.path)
+    _set(owner_path, name, replacement)
+    if where_imported:
+        for module_name, module in list(sys.modules.items()):
+            if (module_name == "transformers" or module_name.startswith("transformers.")) and \
+                    module_name != owner_path and getattr(module, name, None) is original_value:
+                _set(module_name, name, replacement)
+
+
+def add(path: str, value: Any) -> None:
+    """Give a transformers class a listed attribute marked ``added``."""
+    entry = _entry(path)
+    if not entry.added:
+        raise KeyError(f"{path!r} is listed in hf_primal.integration.compat.INTERNALS, but not as added")
+    owner_path, _, name = entry.path.rpartition(".")
+    _set(owner_path, name, value)
+
+
+def _set(owner_path: str, name: str, value: Any) -> None:
+    setattr(_resolve(owner_path), name, value)
+    if f"{owner_path}.{name}" not in _APPLIED:
+        _APPLIED.append(f"{owner_path}.{name}")
+
+
+def applied() -> list[str]:
+    """Every transformers attribute hf_primal has set (dotted path)."""
+    return list(_APPLIED)
 
 
 def patched_internals() -> list[str]:
@@ -186,6 +234,10 @@ def _entry(path: str) -> Internal:
 def check_transformers(internals: tuple[Internal, ...] = INTERNALS) -> None:
     """Raise `IncompatibleTransformersError` for the first internal that is missing or lost a parameter."""
     for entry in internals:
+        if entry.added:
+            if entry.path not in _APPLIED and _has(entry.path):
+                raise _problem(entry, "already has an attribute of its own at")
+            continue
         try:
             obj = _resolve(entry.path)
         except (ImportError, AttributeError):

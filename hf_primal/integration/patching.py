@@ -23,10 +23,6 @@ Nothing global changes behaviour: a model without ``config.primal_attention`` ru
 
 from __future__ import annotations
 
-import sys
-
-from transformers import PreTrainedConfig
-
 from ..modeling import hooks
 from ..modeling.config import PrimalAttentionConfig, saved_config_dict
 from ..modeling.folder_check import check_saved_config
@@ -99,8 +95,7 @@ def _install_config_hooks() -> None:
         return original_to_dict(self)
 
     compat.patch(f"{_PC}.get_config_dict", classmethod(get_config_dict))
-    # A class attribute, not a patched method: routes `from_pretrained(..., primal_attention=...)` into the config.
-    PreTrainedConfig.primal_attention = None
+    compat.add(f"{_PC}.primal_attention", None)
     compat.patch(f"{_PC}.__post_init__", __post_init__)
     compat.patch(f"{_PC}.to_dict", to_dict)
 
@@ -171,10 +166,6 @@ def _wrap_conversion_mapping() -> None:
         return drop_value_renamings(model, original(model, *args, **kwargs))
 
     get_model_conversion_mapping.__wrapped__ = original
-    compat.patch(path, get_model_conversion_mapping)
     # Modules that ran `from .conversion_mapping import get_model_conversion_mapping` hold their own reference;
     # modules imported later, and lazy imports, read the patched module attribute.
-    for name, module in list(sys.modules.items()):
-        if (name == "transformers" or name.startswith("transformers.")) and \
-                getattr(module, "get_model_conversion_mapping", None) is original:
-            module.get_model_conversion_mapping = get_model_conversion_mapping
+    compat.patch(path, get_model_conversion_mapping, where_imported=True)

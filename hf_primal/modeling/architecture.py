@@ -243,15 +243,8 @@ def prepare_primal_cache(model: nn.Module, model_kwargs: dict, generation_config
 
 @torch.no_grad()
 def init_primal_core(core: nn.Module) -> None:
-    """docs/method.md, "Initialisation", skipping tensors a checkpoint already filled (transformers' init helpers)."""
-    hf_init.orthogonal_(core.We)
-    hf_init.orthogonal_(core.Wr)
-    if isinstance(core, KEPSVGPCore):
-        hf_init.uniform_(core.theta, 0.0, 1.0)
-        for tensor in (core.m_u, core.tril, core.log_diag):
-            hf_init.normal_(tensor, 0.0, 1.0)
-        return
-    hf_init.uniform_(core.Lambda, 0.0, 1.0)
+    """The core's own initialisation, through transformers' init helpers (which skip tensors a checkpoint filled)."""
+    core.reset_parameters(hf_init)
 
 
 def is_primal_attention(module: nn.Module) -> bool:

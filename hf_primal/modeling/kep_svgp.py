@@ -25,7 +25,7 @@ The GP math and the KL run in fp32 (or wider) whatever the input dtype: exp(4 th
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -78,14 +78,17 @@ class KEPSVGPCore(nn.Module):
                 f"covariance={self.covariance}")
 
     @torch.no_grad()
-    def reset_parameters(self) -> None:
-        if self.We.device.type == "meta":
-            return
-        nn.init.orthogonal_(self.We)
-        nn.init.orthogonal_(self.Wr)
-        nn.init.uniform_(self.theta, 0.0, 1.0)
+    def reset_parameters(self, init: Any = None) -> None:
+        """As `PrimalCore.reset_parameters`; the variational parameters start standard normal."""
+        if init is None:
+            if self.We.device.type == "meta":
+                return
+            init = nn.init
+        init.orthogonal_(self.We)
+        init.orthogonal_(self.Wr)
+        init.uniform_(self.theta, 0.0, 1.0)
         for tensor in (self.m_u, self.tril, self.log_diag):
-            nn.init.normal_(tensor)
+            init.normal_(tensor, 0.0, 1.0)
 
     # ------------------------------------------------------------------ the GP head
     def factors(self) -> torch.Tensor:
@@ -133,17 +136,11 @@ class KEPSVGPCore(nn.Module):
         return 0.5 * trace + 0.5 * mahalanobis - log_det - 0.5 * s * s * heads
 
     # ------------------------------------------------------------------ forward
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        x: Optional[torch.Tensor] = None,
-        valid: Optional[torch.Tensor] = None,
-        state: None = None,
-        segments: Optional[torch.Tensor] = None,
-        history: int = 0,
-    ) -> tuple[torch.Tensor, KSVDTerms, None]:
-        """(y, KSVD terms, None), as `PrimalCore.forward` for a non-causal layer."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, x: Optional[torch.Tensor] = None,
+                valid: Optional[torch.Tensor] = None, state: None = None, segments: Optional[torch.Tensor] = None,
+                history: int = 0) -> tuple[torch.Tensor, KSVDTerms, None]:
+        """(y, KSVD terms, None): `PrimalCore.forward`'s interface (the layers call either core the same way) for a
+        non-causal layer; `state` and `history` exist only for causal layers and are unused here."""
         if x is None:
             raise ValueError("KEP-SVGP attention needs the layer input `x` to sample tokens from")
         # The KL, for the trainer's loss: computed here, where the parameters are whole even when sharded (FSDP).

@@ -30,7 +30,7 @@ segments, prefix means and the kernel matrix in kernel.py, the one-token decodin
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -138,13 +138,18 @@ class PrimalCore(nn.Module):
         return f"heads={self.num_heads}, head_dim={self.head_dim}, low_rank={self.low_rank}, {kind}"
 
     @torch.no_grad()
-    def reset_parameters(self) -> None:
+    def reset_parameters(self, init: Any = None) -> None:
+        """docs/method.md, "Initialisation". `init`: the module of init functions (default `torch.nn.init`; the
+        model hooks pass transformers' own, which skip tensors a checkpoint already filled)."""
+        if init is None:
+            if self.We.device.type == "meta":
+                return
+            init = nn.init
         # Orthogonal over the whole (H, rows, s) tensor, as the reference code does: torch flattens the
         # trailing dims, so the H head matrices are mutually orthonormal vectors of Frobenius norm 1.
-        if self.We.device.type != "meta":
-            nn.init.orthogonal_(self.We)
-            nn.init.orthogonal_(self.Wr)
-            nn.init.uniform_(self.Lambda, 0.0, 1.0)
+        init.orthogonal_(self.We)
+        init.orthogonal_(self.Wr)
+        init.uniform_(self.Lambda, 0.0, 1.0)
 
     # ------------------------------------------------------------------ shared pieces
     def _finish(

@@ -1,7 +1,7 @@
 """`hf-primal` command line: demo, convert, layers.
 
-Only the standard library is imported at module level: `--help` and argument errors answer without loading torch
-and transformers (see `hf_primal._started_as_cli`). Each command imports what it needs.
+Each command imports what it needs from the package's rooms (the hooks are installed by the package import that
+precedes any of its modules).
 """
 
 from __future__ import annotations
@@ -211,15 +211,7 @@ def push_folder(folder: str, repo_id: str) -> None:
                       commit_message="Upload Primal-Attention model (hf_primal)")
 
 
-def _plugin():
-    import hf_primal
-
-    hf_primal._import_all()  # the CLI process starts with a light `hf_primal` (fast --help)
-    return hf_primal
-
-
 def _demo(args: argparse.Namespace) -> int:
-    _plugin()
     from .demo import run_demo
 
     run_demo(args.output_dir, quick=args.quick, low_rank=args.low_rank, rank_multi=args.rank_multi, eta=args.eta)
@@ -228,27 +220,30 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _convert(args: argparse.Namespace) -> int:
     check_source(args.src)
-    hf_primal = _plugin()
+    from ..integration.hub import save_converted
+    from ..modeling.architecture import primal_layers
+    from .convert import convert
+
     choice = args.layers if isinstance(args.layers, str) and args.layers in ("auto", "last") else None
     if choice is None and args.num_primal_layers is not None:
         raise CLIError(f"--num-primal-layers {args.num_primal_layers} needs --layers auto or last")
     if choice is not None and args.num_primal_layers is None:
         raise CLIError(f"--layers {choice} needs --num-primal-layers K (how many layers to convert)")
-    spec = hf_primal.PrimalAttentionConfig(layers=_DEFAULTS.layers if choice else args.layers, low_rank=args.low_rank,
-                                           rank_multi=args.rank_multi, eta=args.eta)
+    spec = PrimalAttentionConfig(layers=_DEFAULTS.layers if choice else args.layers, low_rank=args.low_rank,
+                                 rank_multi=args.rank_multi, eta=args.eta)
     model, processor = _load_for_conversion(args.src)
     data = None
     if args.calibration:
         data = _calibration_batches(args.calibration, processor, args.max_length, args.batch_size)
-    model = hf_primal.convert(model, spec, calibration_data=data, method=args.method, steps=args.steps,
-                              learning_rate=args.learning_rate, target=args.calibration_target, layers=choice,
-                              num_primal_layers=args.num_primal_layers, sensitivity_steps=args.sensitivity_steps)
+    model = convert(model, spec, calibration_data=data, method=args.method, steps=args.steps,
+                    learning_rate=args.learning_rate, target=args.calibration_target, layers=choice,
+                    num_primal_layers=args.num_primal_layers, sensitivity_steps=args.sensitivity_steps)
     if data is not None:
         model.primal_conversion_report["calibration"] = (
             f"{os.path.basename(args.calibration)}; " + model.primal_conversion_report["calibration"]
         )
-    hf_primal.save_converted(model, args.out, processor=processor)
-    print(f"converted {len(hf_primal.primal_layers(model))} layer(s) of {args.src} -> {args.out}")
+    save_converted(model, args.out, processor=processor)
+    print(f"converted {len(primal_layers(model))} layer(s) of {args.src} -> {args.out}")
     report = model.primal_conversion_report
     if "layer_selection" in report:
         selection = report["layer_selection"]
@@ -271,7 +266,6 @@ def _convert(args: argparse.Namespace) -> int:
 
 def _list_layers(args: argparse.Namespace) -> int:
     check_source(args.path)
-    hf_primal = _plugin()
     from transformers import AutoModel
     from transformers.utils import logging as hf_logging
 
@@ -287,7 +281,9 @@ def _list_layers(args: argparse.Namespace) -> int:
         hf_logging.set_verbosity(verbosity)
         if bars:
             hf_logging.enable_progress_bar()
-    names = hf_primal.primal_layers(model)
+    from ..modeling.architecture import primal_layers
+
+    names = primal_layers(model)
     if not names:
         raise CLIError(f"no primal layers in {args.path} (its config.json has no primal_attention)")
     for name in names:

@@ -30,10 +30,11 @@ from ..modeling.layers import valid_tokens
 from ..models import find_architecture
 from ..training.calibration import as_batches, collect_batches, heldout_indices, text_batches
 from ..training.distill import distill, frozen_copy
+from .conversion_arguments import DEFAULT_LEARNING_RATE, METHODS, ConversionArguments
 from .embedding_metrics import heldout_neighbour_overlap
 from .selection import choose_layers, swap_to_primal
 
-__all__ = ["METHODS", "convert", "text_batches"]
+__all__ = ["METHODS", "ConversionArguments", "convert", "text_batches"]
 
 
 def _relative_error(
@@ -46,17 +47,13 @@ def _relative_error(
     return diff.sum(), ref.sum()
 
 
-METHODS = ("transfer", "distill")
 # Below this relative improvement of the held-out error, a report says the adaptation achieved nothing meaningful.
 MEANINGFUL_IMPROVEMENT = 0.02
 
 
 def convert(model: nn.Module, config: Union[PrimalAttentionConfig, Mapping[str, Any], None] = None,
-            calibration_data: Any = None, *, method: str = "distill", steps: Optional[int] = None,
-            learning_rate: Optional[float] = None, primal_learning_rate: float = 3e-3, pooled_weight: float = 10.0,
-            batch_size: int = 8, max_batches: Optional[int] = None, train_qk: bool = True, target: str = "layer",
-            distill_target: str = "hidden", temperature: float = 2.0, layers: Union[str, list[int], None] = None,
-            num_primal_layers: Optional[int] = None, sensitivity_steps: int = 50, progress: bool = True) -> nn.Module:
+            calibration_data: Any = None, args: Optional[ConversionArguments] = None, *, progress: bool = True,
+            **options: Any) -> nn.Module:
     """Make the layers chosen by `config` primal, in place, and return the model ready to save or share.
 
     Args:
@@ -66,57 +63,27 @@ def convert(model: nn.Module, config: Union[PrimalAttentionConfig, Mapping[str, 
             `datasets.Dataset` with tokenised ``input_ids`` (or ``pixel_values``). Every fifth batch is held out to
             measure the error and choose the kept step. None: the plain conversion (q/k and output weights reused,
             new primal parameters initialised as in the paper).
-        method: ``"distill"`` (distillation of the whole model from a frozen copy of the original; recommended) or
-            ``"transfer"`` (layer-wise attention transfer).
-        steps: optimizer steps: of distillation in all (default: 4 passes over the training batches), or of
-            attention transfer per converted layer (default 300).
-        learning_rate: AdamW learning rate of the pretrained weights in distillation (default 5e-4), or Adam learning
-            rate of attention transfer (default 3e-3).
-        primal_learning_rate: learning rate of the new primal parameters in distillation.
-        pooled_weight: with ``distill_target="hidden"``, weight of ``1 - cosine`` of the mean-pooled embeddings next to
-            the token-level relative error (weight 1). The defaults were chosen on held-out data
-            (scripts/benchmark_conversion.py; README "Converting a pretrained model").
-        distill_target: what distillation matches: ``"hidden"`` (default: the final hidden states and mean-pooled
-            embeddings, which fixes what any head computes from them, including a head that was just initialised),
-            ``"logits"`` (KL of the head's softened distributions, with `temperature`; for pretrained heads such as
-            masked / causal LM heads) or ``"auto"`` (logits for models with a head, hidden states for base models).
-        temperature: softmax temperature of the logits KL term.
-        layers: which layers to convert, overriding ``config.layers``: ``"auto"`` (the `num_primal_layers` cheapest
-            layers, ranked by `hf_primal.layer_sensitivity` on `calibration_data` with `sensitivity_steps`
-            distillation steps per layer; the ranking goes into the report and the model card), ``"last"`` (the last
-            `num_primal_layers`), ``"all"`` or a list of indices.
-        num_primal_layers: with ``layers="auto"`` or ``"last"``, how many layers to convert (1 .. number of layers).
-        sensitivity_steps: distillation steps per layer when ``layers="auto"`` measures the layers.
-        batch_size: batch size when `calibration_data` is a `datasets.Dataset`.
-        max_batches: use at most this many calibration batches.
-        train_qk: with ``target="attention"``, also fit the q/k projections.
-        target: ``"layer"`` (default) fits each converted transformer block (attention + MLP + norms) to the stock
-            block's output; ``"attention"`` fits only the primal attention module (its parameters, plus q/k) to the
-            softmax attention module's output. Primal-Attention cannot mimic softmax outputs exactly (it has no
-            value projection), so letting the rest of the block adapt recovers much more of the original model.
+        args: a `ConversionArguments` (how layers are chosen and the model adapted; default: its defaults).
         progress: show tqdm progress bars.
+        **options: any field of `ConversionArguments` as a keyword (``steps=150, layers="auto"``), applied on top of
+            `args`.
 
     The report (held-out figures before and after, and for transfer the relative output error
     ||y - y_teacher|| / ||y_teacher|| of each layer) is printed and kept on ``model.primal_conversion_report``;
     `save_pretrained` puts it in the model card. When the held-out error improves by less than 2%, the report's
     ``"verdict"`` says so (and a warning is issued) with what to try next.
     """
-    spec, architecture, learning_rate = _check_arguments(model, config, method, target, steps, learning_rate)
-    spec, sensitivity, calibration_data = _select_layers(model, spec, calibration_data, layers, num_primal_layers,
-                                                         sensitivity_steps, method, learning_rate, primal_learning_rate,
-                                                         pooled_weight, batch_size, max_batches, progress)
-    reference = _capture_reference(model, architecture, spec, calibration_data, method, target, train_qk, batch_size,
-                                   max_batches, progress)
+    args = ConversionArguments.from_keywords(args, options)
+    spec, architecture = _check_model(model, config)
+    spec, sensitivity, calibration_data = _select_layers(model, spec, calibration_data, args, progress)
+    reference = _capture_reference(model, architecture, spec, calibration_data, args, progress)
     swap_to_primal(model, spec)
-    _adapt_and_report(model, reference, sensitivity, steps, learning_rate, target, distill_target,
-                      primal_learning_rate, temperature, pooled_weight, progress)
+    _adapt_and_report(model, reference, sensitivity, args, progress)
     return enable_remote_code(model)
 
 
-def _check_arguments(
-    model: nn.Module, config: Any, method: str, target: str, steps: Optional[int], learning_rate: Optional[float]
-) -> tuple[PrimalAttentionConfig, Architecture, float]:
-    """Refuse what convert cannot do, naming the value; returns the config, the architecture and the learning rate."""
+def _check_model(model: nn.Module, config: Any) -> tuple[PrimalAttentionConfig, Architecture]:
+    """Refuse a model convert cannot take, naming why; returns the config and the architecture."""
     spec = PrimalAttentionConfig.coerce(config if config is not None else PrimalAttentionConfig())
     architecture = find_architecture(model)
     if getattr(model.config, "primal_attention", None) is not None:
@@ -124,29 +91,19 @@ def _check_arguments(
             f"convert: {type(model).__name__} already has primal_attention={model.config.primal_attention}; "
             "convert a stock model (reload it without primal_attention)."
         )
-    if method not in METHODS:
-        raise ValueError(f"convert: method={method!r} is not allowed: use one of {list(METHODS)}.")
-    if target not in ("layer", "attention"):
-        raise ValueError(f"convert: target={target!r} is not allowed: use 'layer' or 'attention'.")
-    if learning_rate is None:
-        learning_rate = 5e-4 if method == "distill" else 3e-3
-    if (steps is not None and steps < 0) or not learning_rate > 0:
-        raise ValueError(f"convert: steps={steps} must be >= 0 and learning_rate={learning_rate} > 0.")
-    return spec, architecture, learning_rate
+    return spec, architecture
 
 
 def _select_layers(
-    model: nn.Module, spec: PrimalAttentionConfig, calibration_data: Any, layers: Union[str, list[int], None],
-    num_primal_layers: Optional[int], sensitivity_steps: int, method: str, learning_rate: float,
-    primal_learning_rate: float, pooled_weight: float, batch_size: int, max_batches: Optional[int], progress: bool,
+    model: nn.Module, spec: PrimalAttentionConfig, calibration_data: Any, args: ConversionArguments, progress: bool
 ) -> tuple[PrimalAttentionConfig, Any, Any]:
     """`choose_layers` for convert; returns the config with its layers, the sensitivity (or None) and the data."""
-    if layers == "auto" and calibration_data is not None:  # measured and adapted on the same batches
-        calibration_data = collect_batches(calibration_data, batch_size, max_batches)
+    if args.layers == "auto" and calibration_data is not None:  # measured and adapted on the same batches
+        calibration_data = collect_batches(calibration_data, args.batch_size, args.max_batches)
     spec, sensitivity = choose_layers(
-        model, spec, calibration_data, layers, num_primal_layers, steps=sensitivity_steps, learning_rate=learning_rate
-        if method == "distill" else 5e-4, primal_learning_rate=primal_learning_rate, pooled_weight=pooled_weight,
-        progress=progress)
+        model, spec, calibration_data, args.layers, args.num_primal_layers, steps=args.sensitivity_steps,
+        learning_rate=args.adapt_learning_rate if args.method == "distill" else DEFAULT_LEARNING_RATE["distill"],
+        primal_learning_rate=args.primal_learning_rate, pooled_weight=args.pooled_weight, progress=progress)
     return spec, sensitivity, calibration_data
 
 
@@ -165,8 +122,8 @@ class _Reference:
 
 
 def _capture_reference(
-    model: nn.Module, architecture: Architecture, spec: PrimalAttentionConfig, calibration_data: Any, method: str,
-    target: str, train_qk: bool, batch_size: int, max_batches: Optional[int], progress: bool,
+    model: nn.Module, architecture: Architecture, spec: PrimalAttentionConfig, calibration_data: Any,
+    args: ConversionArguments, progress: bool,
 ) -> _Reference:
     """The selected layers, and with calibration data a frozen copy of the model (distill) or its recorded outputs."""
     base, prefix = base_model(model)
@@ -174,21 +131,21 @@ def _capture_reference(
     selected = spec.resolve_layers(len(layer_list))
     causal = architecture.causal(model.config)
     blocks = architecture.list_blocks(base)
-    fitted = {i: (blocks[i] if target == "layer" else layer_list[i][1]) for i in selected}
+    fitted = {i: (blocks[i] if args.target == "layer" else layer_list[i][1]) for i in selected}
     reference = _Reference(selected, causal, fitted, names={i: prefix + layer_list[i][0] for i in selected},
-                           qk_names=architecture.qk_names if train_qk else ())
-    if calibration_data is not None and method == "distill":
-        reference.distill_batches = collect_batches(calibration_data, batch_size, max_batches)
+                           qk_names=architecture.qk_names if args.train_qk else ())
+    if calibration_data is not None and args.method == "distill":
+        reference.distill_batches = collect_batches(calibration_data, args.batch_size, args.max_batches)
         reference.teacher = frozen_copy(model)
     elif calibration_data is not None:
         reference.records = _record_teacher(model, [fitted[i] for i in selected], selected, calibration_data,
-                                            batch_size, max_batches, progress, causal, architecture.attention_class)
+                                            args.batch_size, args.max_batches, progress, causal,
+                                            architecture.attention_class)
     return reference
 
 
 def _adapt_and_report(
-    model: nn.Module, reference: _Reference, sensitivity: Any, steps: Optional[int], learning_rate: float, target: str,
-    distill_target: str, primal_learning_rate: float, temperature: float, pooled_weight: float, progress: bool,
+    model: nn.Module, reference: _Reference, sensitivity: Any, args: ConversionArguments, progress: bool
 ) -> None:
     """Adapt the swapped `model` to `reference` by convert's method; report on ``model.primal_conversion_report``."""
     report: dict[str, Any] = {"calibration": "none", "method": "none", "layers": []}
@@ -199,12 +156,12 @@ def _adapt_and_report(
             print(f"[hf_primal] layer sensitivity (cheapest first): {sensitivity.ranking}; converting {selected}")
     if reference.distill_batches is not None:
         report.update(_adapt_by_distillation(
-            model, reference.teacher, reference.distill_batches, reference.causal, progress, steps=steps,
-            learning_rate=learning_rate, primal_learning_rate=primal_learning_rate, target=distill_target,
-            temperature=temperature, pooled_weight=pooled_weight))
+            model, reference.teacher, reference.distill_batches, reference.causal, progress, steps=args.steps,
+            learning_rate=args.adapt_learning_rate, primal_learning_rate=args.primal_learning_rate,
+            target=args.distill_target, temperature=args.temperature, pooled_weight=args.pooled_weight))
     elif reference.records:
-        report.update(_adapt_by_transfer(reference.fitted, reference.records, reference.names, steps, learning_rate,
-                                         reference.qk_names, target, progress))
+        report.update(_adapt_by_transfer(reference.fitted, reference.records, reference.names, args.steps,
+                                         args.adapt_learning_rate, reference.qk_names, args.target, progress))
     if report.get("verdict", "").startswith("no meaningful"):
         # stacklevel 3: point at convert's caller, as when convert itself warned
         warnings.warn(f"hf_primal.convert: {report['verdict']}", stacklevel=3)

