@@ -85,7 +85,8 @@ def grid(name: str, sampling: str, learning_rate: float = 1e-3, rank_multi: int 
     if name == "budget":
         return [(v, {"epochs": epochs, **chosen}) for epochs in (8.0, 16.0, 32.0) for v in FOUR]
     if name == "capacity":
-        return [(v, {"sampling": "segment_mean", "rank_multi": m}) for v in ("primal", "primal-last") for m in (1, 2, 4)]
+        return [(v, {"sampling": "segment_mean", "rank_multi": m}) for v in ("primal", "primal-last")
+                for m in (1, 2, 4)]
     raise ValueError(f"grid {name!r} is not allowed: use options, lr, data, budget or capacity")
 
 

@@ -12,8 +12,6 @@ import pytest
 import transformers
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
-from transformers import PreTrainedConfig, PreTrainedModel
-from transformers.generation.utils import GenerationMixin
 
 import hf_primal  # noqa: F401  (installs the hooks)
 from hf_primal.integration import compat
