@@ -53,7 +53,7 @@ def test_the_learning_rate_defaults_follow_the_method():
 
 @pytest.mark.parametrize("field, value", [
     ("method", "copy"), ("target", "all"), ("distill_target", "pooled"), ("steps", -1), ("steps", 1.5),
-    ("steps", True), ("batch_size", 0), ("max_batches", 0), ("num_primal_layers", 0), ("learning_rate", 0.0),
+    ("steps", True), ("batch_size", 0), ("max_batches", 0), ("learning_rate", 0.0),
     ("learning_rate", math.nan), ("primal_learning_rate", math.inf), ("temperature", -1.0), ("pooled_weight", -0.5),
 ])
 def test_bad_values_are_refused_naming_the_field(field, value):

@@ -88,8 +88,8 @@ def causal_when_decoder(config: Any) -> bool:
 class Architecture(Layout):
     """Everything hf_primal needs to know about one transformers architecture: its `Layout` and the fields below.
 
-    Built by `shareable.define_architecture`, which also defines the classes it names; only `max_tokens`, `causal`
-    and `lora_fan_in_fan_out` have defaults, so an architecture module states just where it differs.
+    Built by `shareable.define_architecture`, which also defines the classes it names; only `max_tokens`, `causal`,
+    `lora_fan_in_fan_out` and `causal_lm_heads` have defaults, so an architecture module states just where it differs.
 
     Attributes:
         name: transformers' ``model_type`` ("bert"); the shareable form is saved as ``"primal_<name>"``.

@@ -4,8 +4,8 @@ Each architecture's ``Primal*Attention.forward`` (hf_primal/models/) computes it
 `run_primal`, which reads which tokens are real from whatever mask transformers built, finds packed sequences,
 talks to the generation cache and runs the layer's `PrimalCore`.
 
-Imports only torch, transformers and the flat modules `cache`, `primal`: copied next to shared checkpoints as remote
-code (hf_primal/integration/hub.py, `REMOTE_CODE_FILES`).
+Imports only torch, transformers and the flat modules `cache`, `cache_layers`: copied next to shared checkpoints as
+remote code (hf_primal/integration/hub.py, `REMOTE_CODE_FILES`).
 """
 
 from __future__ import annotations

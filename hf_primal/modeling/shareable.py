@@ -62,18 +62,14 @@ class PrimalModelMixin:
                     tags: Optional[list[str]] = None) -> Any:
         # transformers' push_to_hub arguments, the same upload path, but the model card written by save_pretrained
         # is kept (transformers would replace it with a generic one); `tags` go into that card's metadata.
-        from transformers.utils.hub import hf_api  # the Hub client is needed only when uploading
-
-        repo_id = hf_api().create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
         with tempfile.TemporaryDirectory() as tmp_dir:
             self.save_pretrained(tmp_dir, max_shard_size=max_shard_size)
             if tags:
                 with open(os.path.join(tmp_dir, "README.md"), "w", encoding="utf-8") as handle:
                     handle.write(model_card(self, tags=tags))
-            return self._upload_modified_files(
-                tmp_dir, repo_id, files_timestamps={}, commit_message=commit_message, token=token,
-                create_pr=create_pr, revision=revision, commit_description=commit_description,
-            )
+            return upload_folder(tmp_dir, repo_id, uploader=self, commit_message=commit_message, private=private,
+                                 token=token, revision=revision, create_pr=create_pr,
+                                 commit_description=commit_description)
 
     def _prepare_cache_for_generation(self, generation_config: Any, model_kwargs: dict, *args: Any, **kwargs: Any):
         result = super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
@@ -94,6 +90,22 @@ class PrimalModelMixin:
             # primal cores. Tensors a checkpoint filled are skipped (transformers' init helpers).
             for module in self.modules():
                 init_weights(module)
+
+
+def upload_folder(folder: str, repo_id: str, *, uploader: Any = None, commit_message: Optional[str] = None,
+                  private: Optional[bool] = None, token: Any = None, revision: Optional[str] = None,
+                  create_pr: bool = False, commit_description: Optional[str] = None) -> Any:
+    """Create `repo_id` if needed and commit every file of `folder` through transformers' own upload
+    (``PushToHubMixin._upload_modified_files``): the one path `push_to_hub` of a primal model and
+    ``hf-primal convert --push-to-hub`` share. `uploader` (a model) names the default commit message."""
+    from transformers.utils.hub import PushToHubMixin, hf_api  # the Hub client is needed only when uploading
+
+    repo_id = hf_api().create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
+    return PushToHubMixin._upload_modified_files(
+        uploader if uploader is not None else PushToHubMixin(), folder, repo_id, files_timestamps={},
+        commit_message=commit_message, token=token, create_pr=create_pr, revision=revision,
+        commit_description=commit_description,
+    )
 
 
 def shareable_classes(

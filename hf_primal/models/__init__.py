@@ -1,7 +1,7 @@
 """The architecture registry: every architecture hf_primal supports, one module each.
 
 To add one, write ``hf_primal/models/<model_type>.py`` (one `shareable.define_architecture` call naming the stock
-classes, a `conversion.Layout` or a preset of it, and what differs from the record's defaults; see bert.py) and list
+classes, an `architecture.Layout` or a preset of it, and what differs from the record's defaults; see bert.py) and list
 the module in `_MODULES` below. Everything else (model detection,
 conversion, LoRA targets, shareable classes and Auto registration, remote code) reads the records.
 """

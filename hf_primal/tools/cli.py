@@ -195,22 +195,6 @@ def _calibration_batches(path: str, processor, max_length: int, batch_size: int 
     return text_batches(processor, lines, batch_size, max_length)
 
 
-def push_folder(folder: str, repo_id: str) -> None:
-    """Upload exactly the converted folder (weights, config, remote code, model card, processor)."""
-    from huggingface_hub import CommitOperationAdd, HfApi
-
-    api = HfApi()
-    repo_id = api.create_repo(repo_id, exist_ok=True).repo_id
-    operations = [
-        CommitOperationAdd(path_in_repo=os.path.relpath(os.path.join(root, name), folder).replace(os.sep, "/"),
-                           path_or_fileobj=os.path.join(root, name))
-        for root, _, names in os.walk(folder)
-        for name in sorted(names)
-    ]
-    api.create_commit(repo_id=repo_id, operations=operations,
-                      commit_message="Upload Primal-Attention model (hf_primal)")
-
-
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -259,7 +243,9 @@ def _convert(args: argparse.Namespace) -> int:
     if report.get("verdict"):
         print(f"  {report['verdict']}")
     if args.push_to_hub:
-        push_folder(args.out, args.push_to_hub)
+        from ..modeling.shareable import upload_folder
+
+        upload_folder(args.out, args.push_to_hub, commit_message="Upload Primal-Attention model (hf_primal)")
         print(f"pushed {args.out} to {args.push_to_hub}")
     return 0
 

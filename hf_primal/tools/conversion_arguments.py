@@ -76,7 +76,8 @@ class ConversionArguments:
         for name, allowed in (("method", METHODS), ("target", TARGETS), ("distill_target", DISTILL_TARGETS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"convert: {name}={getattr(self, name)!r} is not allowed: use one of {list(allowed)}.")
-        for name in ("steps", "max_batches", "num_primal_layers", "batch_size", "sensitivity_steps"):
+        # num_primal_layers is checked against the model's layer count where the layers are chosen (selection.py).
+        for name in ("steps", "max_batches", "batch_size", "sensitivity_steps"):
             value, least = getattr(self, name), 0 if name in ("steps", "sensitivity_steps") else 1
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
                 raise ValueError(f"convert: {name}={value!r} must be an integer >= {least}.")
