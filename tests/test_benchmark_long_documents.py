@@ -1,4 +1,4 @@
-"""scripts/benchmark_long_documents.py: the article split, the byte encoding, padding, the report's arithmetic
+"""scripts/benchmarks/long_documents.py: the article split, the byte encoding, padding, the report's arithmetic
 against hand-computed answers, and a --quick run checked against an independent recomputation."""
 
 import argparse
@@ -12,11 +12,13 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
 
-import _device  # noqa: E402
-import bbc_news  # noqa: E402
-import benchmark_long_documents as bench  # noqa: E402
+from scripts.benchmarks import (
+    bbc_news,  # noqa: E402
+    harness,  # noqa: E402
+)
+from scripts.benchmarks import long_documents as bench  # noqa: E402
+from scripts.benchmarks import long_documents_task as task  # noqa: E402
 
 
 def test_articles_split_by_article_and_never_share_documents():
@@ -38,7 +40,7 @@ def test_articles_split_by_article_and_never_share_documents():
 
 
 def test_encode_is_bytes_plus_one_truncated_and_padded():
-    ids, mask, labels = bench.encode([(b"AB\xff", 3), (b"abcdef", 1)], 4)
+    ids, mask, labels = task.encode([(b"AB\xff", 3), (b"abcdef", 1)], 4)
     assert ids.tolist() == [[66, 67, 256, 0], [98, 99, 100, 101]]
     assert mask.tolist() == [[True, True, True, False], [True] * 4]
     assert labels.tolist() == [3, 1]
@@ -57,10 +59,10 @@ def test_a_document_scores_the_same_whatever_its_padding(variant):
     # padding bytes follow it, nor on what it is batched with (eval mode, no dropout).
     args = _args()
     torch.manual_seed(0)
-    model = bench.DocumentClassifier(variant, 64, args).eval()
+    model = task.DocumentClassifier(variant, 64, args).eval()
     short, long = (b"Short text, then padding.", 0), (bytes(range(40, 104)), 1)
     with torch.no_grad():
-        logits = [model(*bench.encode(docs, n)[:2])[:1] for docs, n in (([short], 64), ([short], 40),
+        logits = [model(*task.encode(docs, n)[:2])[:1] for docs, n in (([short], 64), ([short], 40),
                                                                          ([short, long], 64))]
     torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(logits[2], logits[0], atol=1e-5, rtol=1e-5)
@@ -68,23 +70,23 @@ def test_a_document_scores_the_same_whatever_its_padding(variant):
 
 def test_primal_variants_carry_the_paper_settings():
     args = _args()
-    cfg_all = bench.DocumentClassifier("primal", 64, args).encoder.config.primal_attention
-    cfg_last = bench.DocumentClassifier("primal-last", 64, args).encoder.config.primal_attention
+    cfg_all = task.DocumentClassifier("primal", 64, args).encoder.config.primal_attention
+    cfg_last = task.DocumentClassifier("primal-last", 64, args).encoder.config.primal_attention
     assert (cfg_all["layers"], cfg_all["low_rank"], cfg_all["eta"]) == ("all", 20, 0.05)
     assert (cfg_last["layers"], cfg_last["low_rank"], cfg_last["eta"]) == ([-1], 30, 0.1)
     assert cfg_all["rank_multi"] == 1 and cfg_all["ksvd_reduction"] == "batch"  # m chosen by the study
-    model = bench.DocumentClassifier("primal", 64, args)
+    model = task.DocumentClassifier("primal", 64, args)
     assert {layer.attention.self.primal.sampling for layer in model.encoder.encoder.layer} == {"segment_mean"}
-    text = bench.settings_text("primal", args)
+    text = task.settings_text("primal", args)
     assert "m=1" in text and "sampling=segment_mean" in text
-    paper = bench.DocumentClassifier("primal", 64, _args(rank_multi=10, sampling="even"))
+    paper = task.DocumentClassifier("primal", 64, _args(rank_multi=10, sampling="even"))
     assert {layer.attention.self.primal.sampling for layer in paper.encoder.encoder.layer} == {"even"}
     assert paper.encoder.config.primal_attention["rank_multi"] == 10
     import hf_primal
 
-    assert len(hf_primal.primal_layers(bench.DocumentClassifier("primal", 64, args).encoder)) == 2
-    assert len(hf_primal.primal_layers(bench.DocumentClassifier("primal-last", 64, args).encoder)) == 1
-    assert not hf_primal.primal_layers(bench.DocumentClassifier("sdpa", 64, args).encoder)
+    assert len(hf_primal.primal_layers(task.DocumentClassifier("primal", 64, args).encoder)) == 2
+    assert len(hf_primal.primal_layers(task.DocumentClassifier("primal-last", 64, args).encoder)) == 1
+    assert not hf_primal.primal_layers(task.DocumentClassifier("sdpa", 64, args).encoder)
 
 
 def _run_row(variant, n, seed, acc, f1, seconds, step, peak):
@@ -173,22 +175,22 @@ def test_jobs_cover_every_variant_seed_and_length_once():
 
 def test_device_options_refuse_what_this_machine_cannot_run():
     parser = argparse.ArgumentParser()
-    _device.add_arguments(parser)
-    assert _device.resolve(parser.parse_args([])) == ("cpu", "fp32")
-    assert _device.resolve(parser.parse_args(["--dtype", "bf16"])) == ("cpu", "bf16")
+    harness.add_device_arguments(parser)
+    assert harness.resolve_device(parser.parse_args([])) == ("cpu", "fp32")
+    assert harness.resolve_device(parser.parse_args(["--dtype", "bf16"])) == ("cpu", "bf16")
     with pytest.raises(SystemExit, match="fp16 is for CUDA"):
-        _device.resolve(parser.parse_args(["--dtype", "fp16"]))
+        harness.resolve_device(parser.parse_args(["--dtype", "fp16"]))
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="--device cuda: CUDA is not available"):
-            _device.resolve(parser.parse_args(["--device", "cuda"]))
+            harness.resolve_device(parser.parse_args(["--device", "cuda"]))
     with pytest.raises(SystemExit, match="--device mps"):
-        _device.resolve(parser.parse_args(["--device", "mps"]))
+        harness.resolve_device(parser.parse_args(["--device", "mps"]))
 
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("long")
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark_long_documents.py"), "--quick",
+    result = subprocess.run([sys.executable, "-m", "scripts.benchmarks.long_documents", "--quick",
                              "--out-dir", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
@@ -239,14 +241,14 @@ def test_without_attention_no_byte_sees_another():
     # The timing phase's reference network: a position's final hidden state depends on its own byte alone, and the
     # encoder holds no attention parameters (so its memory is that of everything but attention).
     torch.manual_seed(0)
-    model = bench.DocumentClassifier(bench.NO_ATTENTION, 32, _args()).eval()
+    model = task.DocumentClassifier(bench.NO_ATTENTION, 32, _args()).eval()
     assert not any(".attention." in name for name, _ in model.named_parameters())
-    ids, mask, _ = bench.encode([(bytes(range(65, 97)), 0), (b"A" + bytes(range(200, 231)), 0)], 32)
+    ids, mask, _ = task.encode([(bytes(range(65, 97)), 0), (b"A" + bytes(range(200, 231)), 0)], 32)
     with torch.no_grad():
         hidden = model.encoder(input_ids=ids, attention_mask=mask).last_hidden_state
     torch.testing.assert_close(hidden[0, 0], hidden[1, 0])  # the same first byte, every other byte different
     assert not torch.allclose(hidden[0, 1], hidden[1, 1])
-    sdpa = bench.DocumentClassifier("sdpa", 32, _args()).eval()
+    sdpa = task.DocumentClassifier("sdpa", 32, _args()).eval()
     with torch.no_grad():
         mixed = sdpa.encoder(input_ids=ids, attention_mask=mask).last_hidden_state
     assert not torch.allclose(mixed[0, 0], mixed[1, 0], atol=1e-4)  # with attention, the first byte sees the rest

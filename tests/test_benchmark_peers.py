@@ -1,4 +1,4 @@
-"""scripts/benchmark_peers.py --quick: every variant (hf_primal, SDPA, eager, Performer, Nystromformer, Linformer) at
+"""scripts/benchmarks/peers.py --quick: every variant (hf_primal, SDPA, eager, Performer, Nystromformer, Linformer) at
 every width, length and mode, with positive times and memory; the ratio columns and summary agree with the raw
 timings (recomputed here); the short-input section has BERT-base-width and MiniLM rows."""
 
@@ -18,7 +18,7 @@ def _read(path):
 
 
 def test_quick_peer_benchmark_writes_complete_results(tmp_path):
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark_peers.py"), "--quick", "--out-dir",
+    result = subprocess.run([sys.executable, "-m", "scripts.benchmarks.peers", "--quick", "--out-dir",
                              str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = _read(tmp_path / "peers_benchmark.csv")

@@ -1,5 +1,5 @@
-"""scripts/benchmark.py --quick: the CSV has every variant, mode and length, with positive times and memory, and its
-ratio columns and summary agree with its own raw timings (recomputed here from different rows)."""
+"""scripts/benchmarks/layers.py --quick: the CSV has every variant, mode and length, with positive times and memory,
+and its ratio columns and summary agree with its own raw timings (recomputed here from different rows)."""
 
 import csv
 import math
@@ -21,7 +21,7 @@ def _read(path):
 def test_quick_benchmark_writes_complete_csv_summary_and_plot(tmp_path):
     # The eager limit is set so that eager runs at N=64 but is skipped at N=128, exercising both paths.
     result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--quick", "--out-dir", str(tmp_path),
+        [sys.executable, "-m", "scripts.benchmarks.layers", "--quick", "--out-dir", str(tmp_path),
          "--eager-limit-gib", "0.001"],
         cwd=ROOT, capture_output=True, text=True, timeout=900,
     )
@@ -72,7 +72,7 @@ def _close(value, expected):
 
 def check_ratios_and_summary(rows, summary, n_ref, fit_ns, sublayer_n):
     """Recompute, from the CSV's own raw median timings of *different* rows, every ratio column and the summary's
-    exponents, speedups, shares and verdicts. Also holds for a full run (scripts/results/benchmark.csv)."""
+    exponents, speedups, shares and verdicts. Also holds for a full run (scripts/benchmarks/results/benchmark.csv)."""
     ok = [r for r in rows if r["status"] == "ok"]
     time = {(r["section"], r["variant"], int(r["n"]), r["mode"]): float(r["time_ms"]) for r in ok}
     checked = 0

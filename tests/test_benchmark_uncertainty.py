@@ -1,4 +1,4 @@
-"""scripts/benchmark_uncertainty.py: the quick run writes a row per method whose metrics are those of the metrics
+"""scripts/benchmarks/uncertainty.py: the quick run writes a row per method whose metrics are those of the metrics
 module on hand-made predictions, a summary equal to the hand-computed means, and the temperature fit."""
 
 import csv
@@ -10,8 +10,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-import benchmark_uncertainty as bench  # noqa: E402
+from scripts.benchmarks import uncertainty as bench  # noqa: E402
 
 
 def test_temperature_fit_recovers_the_temperature_that_made_the_labels():
@@ -32,8 +31,8 @@ def test_summary_is_the_mean_and_std_over_seeds_in_method_order():
 
 
 def test_quick_run_has_every_method_and_sane_metrics(tmp_path):
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark_uncertainty.py"), "--quick",
-                             "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=900)
+    result = subprocess.run([sys.executable, "-m", "scripts.benchmarks.uncertainty", "--quick",
+                             "--out-dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     with open(tmp_path / bench.CSV, newline="") as handle:
         rows = list(csv.DictReader(handle))

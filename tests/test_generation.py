@@ -7,7 +7,6 @@ sequences then say something about the cache.
 """
 
 import csv
-import importlib.util
 import math
 import subprocess
 import sys
@@ -264,7 +263,7 @@ def test_sliding_window_cache_layer_at_a_primal_layer_is_refused():
 # ------------------------------------------------------------------ benchmark script
 def test_benchmark_script_quick_mode(tmp_path, monkeypatch):
     cmd = [
-        sys.executable, str(REPO / "scripts" / "benchmark_generation.py"), "--quick", "--contexts", "16,48",
+        sys.executable, "-m", "scripts.benchmarks.generation", "--quick", "--contexts", "16,48",
         "--out-dir", str(tmp_path),
     ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
@@ -304,10 +303,8 @@ def test_benchmark_script_quick_mode(tmp_path, monkeypatch):
     assert float(compiled["all-primal"]["compiled_ms_vs_stock"]) == pytest.approx(ratio, rel=1e-6)
 
     # --replot redraws from the CSV alone, with the numbers read back as numbers.
-    spec = importlib.util.spec_from_file_location("benchmark_generation", REPO / "scripts" / "benchmark_generation.py")
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, bench)  # dataclasses look their module up there
-    spec.loader.exec_module(bench)
+    from scripts.benchmarks import generation as bench
+
     png.unlink()
     replotted = bench.main(["--replot", "--out-dir", str(tmp_path)])
     assert {(r["variant"], r["context"]): r["cache_bytes"] for r in replotted} == cache
@@ -315,10 +312,8 @@ def test_benchmark_script_quick_mode(tmp_path, monkeypatch):
 
 
 def test_benchmark_ratios_on_known_timings(monkeypatch):
-    spec = importlib.util.spec_from_file_location("benchmark_generation", REPO / "scripts" / "benchmark_generation.py")
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, bench)
-    spec.loader.exec_module(bench)
+    from scripts.benchmarks import generation as bench
+
     figures = dict(latency_ms=8.0, cache_bytes=4000, peak_rss_mb=100.0, decode_peak_rss_mb=50.0)
     rows = [
         {"variant": bench.BASELINE, "context": 64, **figures},

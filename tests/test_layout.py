@@ -140,3 +140,36 @@ def test_the_upward_import_check_sees_both_spellings(tmp_path):
         assert _upward(sibling) == []
     finally:
         sibling.unlink()
+
+
+# ---------------------------------------------------------------------------------------------- scripts/
+SCRIPTS = PACKAGE.parent / "scripts"
+SCRIPT_FILES = sorted(SCRIPTS.rglob("*.py"))
+BENCHMARKS = sorted(p for p in (SCRIPTS / "benchmarks").glob("*.py") if "def main(" in p.read_text(encoding="utf-8"))
+
+
+def test_scripts_hold_benchmarks_and_examples_only():
+    assert {p.parent.name for p in SCRIPT_FILES if p.name != "__init__.py"} == {"benchmarks", "examples"}
+    assert {p.stem for p in BENCHMARKS} >= {"layers", "peers", "generation", "long_documents", "conversion",
+                                            "conversion_tasks", "uncertainty"}
+
+
+@pytest.mark.parametrize("path", SCRIPT_FILES, ids=lambda p: str(p.relative_to(SCRIPTS)))
+def test_no_script_edits_sys_path_or_imports_a_private_name(path):
+    text = path.read_text(encoding="utf-8")
+    assert "sys.path" not in text, path.name
+    local = {p.stem for p in path.parent.glob("*.py")}
+    for level, module, names in _imports(path):
+        own = level > 0 or module.split(".")[0] in local
+        assert not (own and any(n.startswith("_") and n != "__future__" for n in names)), (path.name, module, names)
+        assert not (own and module.split(".")[-1].startswith("_")), (path.name, module)
+
+
+@pytest.mark.parametrize("path", BENCHMARKS, ids=lambda p: p.stem)
+def test_benchmarks_are_short_and_import_no_other_benchmark(path):
+    assert len(path.read_text(encoding="utf-8").splitlines()) <= 350, path.name
+    others = {p.stem for p in BENCHMARKS} - {path.stem}
+    for level, module, names in _imports(path):
+        if level == 1:
+            imported = {module} if module else set(names)
+            assert not imported & others, (path.name, imported & others)

@@ -54,7 +54,7 @@ def _csv_rows(path):
 
 
 def conversion_table_rows(rows) -> list[str]:
-    """The README's conversion-benchmark table rows, formatted from scripts/results/conversion_benchmark.csv."""
+    """The README's conversion-benchmark table rows, from scripts/benchmarks/results/conversion_benchmark.csv."""
     out = []
     for r in rows:
         distill = float(r["distill_seconds"])
@@ -67,7 +67,7 @@ def conversion_table_rows(rows) -> list[str]:
 
 
 def demo_table_rows(results) -> list[str]:
-    """The README's demo table rows, formatted from scripts/results/demo_results.json."""
+    """The README's demo table rows, formatted from scripts/benchmarks/results/demo_results.json."""
     return [
         f"| sentence-embedding cosine vs the original, {results['heldout_sentences']} held-out sentences: "
         f"plain conversion -> distilled | {results['cosine_plain']:.3f} -> {results['cosine_distilled']:.3f} |",
@@ -80,7 +80,7 @@ def demo_table_rows(results) -> list[str]:
 def test_readme_figures_are_those_of_the_results_files():
     import json
 
-    results = ROOT / "scripts" / "results"
+    results = ROOT / "scripts" / "benchmarks" / "results"
     conversion = (ROOT / "docs" / "conversion.md").read_text(encoding="utf-8")
     for line in conversion_table_rows(_csv_rows(results / "conversion_benchmark.csv")):
         assert line in conversion, line
@@ -119,7 +119,7 @@ def _by(rows, **match):
 
 
 def conversion_tasks_rows(summary) -> list[str]:
-    """docs/conversion.md's small-label table, from scripts/results/conversion_tasks_summary.csv."""
+    """docs/conversion.md's small-label table, from scripts/benchmarks/results/conversion_tasks_summary.csv."""
     out = []
     keys = sorted({(r["variant"], r["selection"], int(r["k"])) for r in summary},
                   key=lambda v: (("stock", "plain", "recipe").index(v[0]), v[2], v[1]))
@@ -153,14 +153,14 @@ def selection_vs_last_rows(rows) -> list[str]:
 
 
 def conversion_embedding_rows(rows) -> list[str]:
-    """docs/conversion.md's frozen-embedding table, from scripts/results/conversion_embeddings.csv."""
+    """docs/conversion.md's frozen-embedding table, from scripts/benchmarks/results/conversion_embeddings.csv."""
     ordered = sorted(rows, key=lambda r: (int(r["k"]), r["selection"]))
     return [f"| {r['selection'] or 'original'} | {r['k']} | {r['layers'] or '-'} | {float(r['cosine']):.3f} | "
             f"{_pct(r['knn_accuracy'])} | {float(r['neighbour_overlap']):.3f} |" for r in ordered]
 
 
 def conversion_timing_rows(rows) -> list[str]:
-    """docs/conversion.md's inference-time table, from scripts/results/conversion_timing.csv."""
+    """docs/conversion.md's inference-time table, from scripts/benchmarks/results/conversion_timing.csv."""
     out = []
     keys = sorted({(int(r["k"]), r["selection"], r["layers"]) for r in rows})
     for k, selection, layers in keys:
@@ -226,7 +226,7 @@ def _ratio(value) -> str:
 
 
 def long_documents_timing_rows(rows) -> list[str]:
-    """docs/benchmarks.md's long-document timing table, from scripts/results/long_documents_timing.csv."""
+    """docs/benchmarks.md's long-document timing table, from scripts/benchmarks/results/long_documents_timing.csv."""
     out = []
     for r in rows:
         if r["status"] != "ok":
@@ -243,7 +243,7 @@ def long_documents_timing_rows(rows) -> list[str]:
 
 
 def long_documents_accuracy_rows(summary) -> list[str]:
-    """docs/benchmarks.md's long-document accuracy table, from scripts/results/long_documents_summary.csv."""
+    """docs/benchmarks.md's long-document accuracy table, from scripts/benchmarks/results/long_documents_summary.csv."""
     out = []
     for r in summary:
         if r.get("accuracy_mean") in (None, ""):
@@ -255,7 +255,8 @@ def long_documents_accuracy_rows(summary) -> list[str]:
 
 
 def long_documents_study_rows(summary) -> list[str]:
-    """docs/benchmarks.md's study table (N = 512, validation), from scripts/results/long_documents_study_summary.csv."""
+    """docs/benchmarks.md's study table (N = 512, validation), from
+    scripts/benchmarks/results/long_documents_study_summary.csv."""
     return [f"| {r['grid']} | {r['variant']} | {r['setting']} | {r['seeds']} | "
             f"{100 * float(r['train_accuracy_mean']):.1f} | {100 * float(r['val_accuracy_mean']):.1f} ± "
             f"{100 * float(r['val_accuracy_std']):.1f} |" for r in summary]
@@ -283,7 +284,7 @@ def long_documents_headline(rows, summary) -> list[str]:
 
 
 def test_long_document_figures_are_those_of_the_results_files():
-    results = ROOT / "scripts" / "results"
+    results = ROOT / "scripts" / "benchmarks" / "results"
     rows = _csv_rows(results / "long_documents_timing.csv")
     summary = _csv_rows(results / "long_documents_summary.csv")
     study = _csv_rows(results / "long_documents_study_summary.csv")
@@ -297,7 +298,7 @@ def test_long_document_figures_are_those_of_the_results_files():
 
 
 def uncertainty_rows(summary) -> list[str]:
-    """docs/benchmarks.md's uncertainty table, from scripts/results/uncertainty_summary.csv."""
+    """docs/benchmarks.md's uncertainty table, from scripts/benchmarks/results/uncertainty_summary.csv."""
     def cell(r, key, scale=100.0, digits=1):
         return f"{scale * float(r[key + '_mean']):.{digits}f} ± {scale * float(r[key + '_std']):.{digits}f}"
 
@@ -308,7 +309,7 @@ def uncertainty_rows(summary) -> list[str]:
 
 
 def test_uncertainty_figures_are_those_of_the_results_files():
-    rows = uncertainty_rows(_csv_rows(ROOT / "scripts" / "results" / "uncertainty_summary.csv"))
+    rows = uncertainty_rows(_csv_rows(ROOT / "scripts" / "benchmarks" / "results" / "uncertainty_summary.csv"))
     benchmarks = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
     assert len(rows) >= 6
     for line in rows:
@@ -316,7 +317,7 @@ def test_uncertainty_figures_are_those_of_the_results_files():
 
 
 def test_conversion_and_headline_figures_are_those_of_the_results_files():
-    results = ROOT / "scripts" / "results"
+    results = ROOT / "scripts" / "benchmarks" / "results"
     conversion = (ROOT / "docs" / "conversion.md").read_text(encoding="utf-8")
     for line in conversion_tasks_rows(_csv_rows(results / "conversion_tasks_summary.csv")):
         assert line in conversion, line

@@ -1,4 +1,4 @@
-"""scripts/run_gpu_benchmarks.sh end to end on CPU with tiny settings: every step runs, writes its tables with every
+"""scripts/benchmarks/run_gpu.sh end to end on CPU with tiny settings: every step runs, writes its tables with every
 variant it promises, and each ratio column equals the quotient of the two measurements it names (recomputed here
 from the raw columns, so a swapped column, a ratio taken the wrong way round or a dropped variant fails). The same
 relations are checked on the committed results the docs quote."""
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "scripts" / "results"
+RESULTS = ROOT / "scripts" / "benchmarks" / "results"
 
 
 def _rows(path: Path) -> list[dict]:
@@ -73,14 +73,15 @@ def test_committed_results_hold_their_ratios(name):
 def test_a_swapped_ratio_is_caught():
     rows = _rows(RESULTS / "long_documents_timing.csv")
     primal = next(r for r in rows if r["variant"] == "primal")
-    primal["speedup_vs_sdpa"], primal["memory_ratio_vs_sdpa"] = primal["memory_ratio_vs_sdpa"], primal["speedup_vs_sdpa"]
+    speed, memory = primal["speedup_vs_sdpa"], primal["memory_ratio_vs_sdpa"]
+    primal["speedup_vs_sdpa"], primal["memory_ratio_vs_sdpa"] = memory, speed
     with pytest.raises(AssertionError):
         check_relations("long_documents_timing.csv", rows)
 
 
 def test_gpu_script_runs_end_to_end_on_cpu(tmp_path):
     env = {**os.environ, "DEVICE": "cpu", "QUICK": "1", "OUT": str(tmp_path), "PYTHON": sys.executable}
-    result = subprocess.run(["bash", str(ROOT / "scripts" / "run_gpu_benchmarks.sh")], cwd=ROOT, env=env,
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "benchmarks" / "run_gpu.sh")], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for step in ("long_documents", "layers", "peers", "generation"):
@@ -102,4 +103,6 @@ def test_gpu_script_runs_end_to_end_on_cpu(tmp_path):
         assert {(r["device"], r["dtype"]) for r in rows if r.get("device")} <= {("cpu", "fp32")}, name
     trained = _rows(tmp_path / "long_documents" / "long_documents.csv")
     assert {r["variant"] for r in trained if r["status"] == "ok"} >= {"sdpa", "primal", "primal-last", "no-attention"}
-    assert all(0.0 <= float(r["accuracy"]) <= 1.0 for r in trained if r["status"] == "ok")
+    # The trained variants have a test accuracy (eager is timed for a few steps, not trained).
+    assert all(0.0 <= float(r["accuracy"]) <= 1.0 for r in trained
+               if r["status"] == "ok" and r["variant"] in ("sdpa", "primal", "primal-last", "no-attention"))

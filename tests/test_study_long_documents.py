@@ -1,5 +1,5 @@
-"""scripts/study_long_documents.py: run names say what a run changes (so grids share runs), the grids' plan, the
-summary against hand-computed answers, and a --quick run whose rows feed that summary."""
+"""scripts/benchmarks/long_documents_study.py: run names say what a run changes (so grids share runs), the grids'
+plan, the summary against hand-computed answers, and a --quick run whose rows feed that summary."""
 
 import csv
 import subprocess
@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
 
-import study_long_documents as study  # noqa: E402
+from scripts.benchmarks import long_documents_study as study  # noqa: E402
 
 
 def test_setting_names_list_what_changes_in_a_fixed_order():
@@ -68,7 +67,7 @@ def test_a_report_of_one_grid_keeps_the_other_grids_of_the_summary_file():
 
 
 def test_quick_run_rows_feed_the_summary(tmp_path):
-    command = [sys.executable, str(ROOT / "scripts" / "study_long_documents.py"), "--quick", "--length", "96",
+    command = [sys.executable, "-m", "scripts.benchmarks.long_documents_study", "--quick", "--length", "96",
                "--grid", "options", "--match", "^(primal sampling=jitter|sdpa baseline)$", "--seeds", "0",
                "--workers", "1", "--out-dir", str(tmp_path)]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)

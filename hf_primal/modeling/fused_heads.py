@@ -2,7 +2,7 @@
 
 `_heads_forward` is its forward as plain tensor code, which inference runs directly when there is no graph to build.
 
-Performance (CPU, fp32; scripts/benchmark.py measures the whole models): `_PrimalHeads` is one
+Performance (CPU, fp32; scripts/benchmarks/layers.py measures the whole models): `_PrimalHeads` is one
 autograd function from the q/k projections to the merged heads, with a hand-written backward.
 
 * The cosine feature map is a per-row scale, so it scales the (N, s) scores rather than the (N, d) rows

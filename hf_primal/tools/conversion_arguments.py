@@ -37,7 +37,7 @@ class ConversionArguments:
         primal_learning_rate: learning rate of the new primal parameters in distillation.
         pooled_weight: with ``distill_target="hidden"``, weight of ``1 - cosine`` of the mean-pooled embeddings next to
             the token-level relative error (weight 1). The defaults were chosen on held-out data
-            (scripts/benchmark_conversion.py).
+            (scripts/benchmarks/conversion.py).
         distill_target: what distillation matches: ``"hidden"`` (the final hidden states and mean-pooled embeddings,
             which fixes what any head computes from them, including a head that was just initialised), ``"logits"``
             (KL of the head's softened distributions, with `temperature`; for pretrained heads) or ``"auto"`` (logits

@@ -9,7 +9,7 @@ attention layer primal ("Primal.+"), and runs the recipe the README recommends:
 It prints what each step changed (sentence-embedding cosine against the original on held-out sentences, sentiment
 accuracy of the stock and the primal model after the same fine-tuning) and saves a shareable folder. The texts
 shipped with hf_primal were written for the demo: its figures illustrate the recipe; the evidence for it is
-``scripts/benchmark_conversion.py`` on real data.
+``scripts/benchmarks/conversion.py`` on real data.
 """
 
 from __future__ import annotations

@@ -35,77 +35,27 @@ How it measures. The parent process only imports; all torch work runs in worker 
 Outputs (in ``--out-dir``): ``benchmark.csv`` (every measurement), ``benchmark_summary.csv`` (scaling
 exponents, sub-layer ratios, breakdown shares, the targets), ``benchmark.png``; a table on stdout.
 
-    python scripts/benchmark.py                                  # full run, ~15 min on 2 CPU cores
-    python scripts/benchmark.py --quick --out-dir /tmp/bench     # tiny shapes, seconds (used by the tests)
-    python scripts/benchmark.py --device cuda --dtype bf16       # on a GPU: autocast steps, CUDA allocator peaks
+    python -m scripts.benchmarks.layers                          # full run, ~15 min on 2 CPU cores
+    python -m scripts.benchmarks.layers --quick --out-dir /tmp/b # tiny shapes, seconds (used by the tests)
+    python -m scripts.benchmarks.layers --device cuda --dtype bf16 # on a GPU: autocast steps, CUDA allocator peaks
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
-import ctypes
-import gc
 import math
-import multiprocessing
-import os
-import platform
-import random
-import statistics
 import sys
 import time
-import traceback
-from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-# Workers are forked. By default torch.cuda.is_available() (`_device.resolve` calls it; libraries may too) runs
-# cuInit, after which CUDA fails in every forked child; the NVML-based check leaves the parent uninitialised.
-os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+from . import harness
+from .encoder import Shape
+from .layers_steps import VARIANTS, Settings, memory_job, skip_reason, sublayer_job, timing_job
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from transformers import BertConfig, BertModel  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _device  # noqa: E402
-
-import hf_primal  # noqa: E402
-from hf_primal.modeling.layers import run_primal  # noqa: E402
-
-VARIANTS = ("primal-all", "primal-last", "sdpa", "eager")
 KSVD_ETA = 0.05
 NUM_CLASSES = 10
-
-
-@dataclass(frozen=True)
-class Shape:
-    name: str
-    hidden: int
-    heads: int
-    intermediate: int
-    layers: int
-    batch: int
-    lengths: tuple[int, ...]
-    low_rank: int = 30
-    rank_multi: int = 10
-    vocab: int = 512
-
-
-@dataclass
-class Settings:
-    threads: int
-    repeats: int
-    budget_s: float
-    eager_limit_gib: float
-    fit_from: int
-    sublayer_n: int
-    sections: dict[str, Shape] = field(default_factory=dict)
-    device: str = "cpu"
-    dtype: str = "fp32"  # autocast precision of the timed steps (`_device.DTYPES`)
 
 
 def full_settings(args: argparse.Namespace) -> Settings:
@@ -143,281 +93,10 @@ def quick_settings(args: argparse.Namespace) -> Settings:
     )
 
 
-# ------------------------------------------------------------------------------------------ models
-def bert_config(shape: Shape, variant: str, max_len: int) -> BertConfig:
-    config = BertConfig(
-        vocab_size=shape.vocab,
-        hidden_size=shape.hidden,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        intermediate_size=shape.intermediate,
-        max_position_embeddings=max_len,
-        hidden_dropout_prob=0.0,  # dropout off everywhere: SDPA on CPU keeps its fused kernel only without it
-        attention_probs_dropout_prob=0.0,
-    )
-    config._attn_implementation = "eager" if variant == "eager" else "sdpa"
-    if variant.startswith("primal"):
-        layers = "all" if variant == "primal-all" else [-1]
-        config.primal_attention = {"layers": layers, "low_rank": shape.low_rank, "rank_multi": shape.rank_multi}
-    return config
-
-
-class Classifier(torch.nn.Module):
-    """Encoder + mean pooling + linear head, the LRA classification setup."""
-
-    def __init__(self, config: BertConfig) -> None:
-        super().__init__()
-        self.encoder = BertModel(config, add_pooling_layer=False)
-        self.head = torch.nn.Linear(config.hidden_size, NUM_CLASSES)
-        self.primal = bool(hf_primal.primal_layers(self.encoder))
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.encoder(input_ids=ids).last_hidden_state.mean(dim=1))
-
-
-def make_step(model: Classifier, ids: torch.Tensor, labels: torch.Tensor, mode: str, device: str = "cpu",
-              dtype: str = "fp32") -> Callable[[], None]:
-    """One training or inference step; it synchronises at its end, so that a wall clock read after it is right."""
-    if mode == "infer":
-        model.eval()
-
-        def infer() -> None:
-            with torch.inference_mode(), _device.autocast(device, dtype):
-                model(ids)
-            _device.synchronize(device)
-
-        return infer
-    model.train()
-
-    def train() -> None:
-        model.zero_grad(set_to_none=True)
-        with _device.autocast(device, dtype):
-            loss = F.cross_entropy(model(ids), labels)
-            if model.primal:
-                loss = loss + KSVD_ETA * hf_primal.ksvd_loss(model.encoder)
-        loss.backward()
-        _device.synchronize(device)
-
-    return train
-
-
-def build(shape: Shape, variant: str, n: int, seed: int = 0,
-          device: str = "cpu") -> tuple[Classifier, torch.Tensor, torch.Tensor]:
-    torch.manual_seed(seed)  # drawn on the CPU, so every device gets the same weights and inputs
-    model = Classifier(bert_config(shape, variant, max(shape.lengths))).to(device)
-    ids = torch.randint(1, shape.vocab, (shape.batch, n)).to(device)
-    labels = torch.randint(0, NUM_CLASSES, (shape.batch,)).to(device)
-    return model, ids, labels
-
-
-def eager_estimate_gib(shape: Shape, n: int) -> float:
-    return (3 * shape.layers + 2) * shape.batch * shape.heads * n * n * 4 / 2**30
-
-
-def skip_reason(settings: Settings, shape: Shape, variant: str, n: int) -> Optional[str]:
-    if variant == "eager":
-        estimate = eager_estimate_gib(shape, n)
-        if estimate > settings.eager_limit_gib:
-            return f"skipped: eager attention needs ~{estimate:.0f} GiB > {settings.eager_limit_gib:g} GiB"
-    return None
-
-
 # ------------------------------------------------------------------------------------------ sub-layer pieces
-def sublayer_module(shape: Shape, variant: str, n: int) -> torch.nn.Module:
-    one_layer = replace(shape, layers=1, lengths=(n,))
-    torch.manual_seed(0)
-    return BertModel(bert_config(one_layer, variant, n), add_pooling_layer=False).encoder.layer[0].train()
-
-
-def sublayer_steps(shape: Shape, n: int, device: str = "cpu", dtype: str = "fp32") -> dict[str, Callable[[], None]]:
-    """Forward + backward of the attention sub-layer per variant, and of the primal middle / whole layer."""
-    torch.manual_seed(0)
-    x = torch.randn(shape.batch, n, shape.hidden).to(device).requires_grad_()
-    grad = torch.randn(shape.batch, n, shape.hidden).to(device)
-    steps: dict[str, Callable[[], None]] = {}
-    layers = {}
-    for variant in ("primal-all", "sdpa", "eager"):
-        layer = sublayer_module(shape, variant, n).to(device)
-        layers[variant] = layer
-
-        def attention_step(layer=layer) -> None:
-            layer.zero_grad(set_to_none=True)
-            x.grad = None
-            with _device.autocast(device, dtype):
-                out = layer.attention(x)[0]
-            out.backward(grad.to(out.dtype))
-            _device.synchronize(device)
-
-        steps[f"attention {variant}"] = attention_step
-    primal = layers["primal-all"]
-
-    def layer_step() -> None:
-        primal.zero_grad(set_to_none=True)
-        x.grad = None
-        with _device.autocast(device, dtype):
-            out = primal(x)
-        out.backward(grad.to(out.dtype))
-        _device.synchronize(device)
-
-    steps["layer primal-all"] = layer_step
-    attn = primal.attention.self
-    head_dim = shape.hidden // shape.heads
-    split = (shape.batch, n, shape.heads, head_dim)
-    # Detached leaves shaped exactly like the projections inside the layer (in its autocast precision too).
-    with torch.no_grad(), _device.autocast(device, dtype):
-        q = attn.query(x).view(split).transpose(1, 2).requires_grad_()
-        k = attn.key(x).view(split).transpose(1, 2).requires_grad_()
-    x_in = x.detach().requires_grad_()
-
-    def middle_step() -> None:
-        attn.zero_grad(set_to_none=True)
-        q.grad = k.grad = x_in.grad = None
-        with _device.autocast(device, dtype):
-            out = run_primal(attn, q, k, x_in, None)[0]
-        out.backward(grad.to(out.dtype))
-        _device.synchronize(device)
-
-    steps["middle primal-all"] = middle_step
-    return steps
 
 
 # ------------------------------------------------------------------------------------------ measuring
-def _status_kib(key: str) -> int:
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{key} not in /proc/self/status")
-
-
-def _fix_malloc() -> None:
-    # A fixed mmap threshold (glibc raises it dynamically otherwise) returns every freed tensor above
-    # 128 KiB to the OS at once, so the resident set tracks live memory.
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
-        libc.mallopt(-1, 128 * 1024)  # M_TRIM_THRESHOLD
-    except OSError:
-        pass
-
-
-def _trim() -> None:
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
-
-
-def memory_job(settings: Settings, section: str, variant: str, n: int) -> dict[str, Any]:
-    torch.set_num_threads(settings.threads)
-    device, dtype = settings.device, settings.dtype
-    cuda = device.startswith("cuda")
-    if not cuda:
-        _fix_malloc()
-    shape = settings.sections[section]
-    model, ids, labels = build(shape, variant, n, device=device)
-    # A short warm-up step first: lazy one-time allocations (kernel libraries, autograd engine) are not the
-    # step's memory, and would otherwise add a constant ~17 MiB to every configuration.
-    make_step(model, ids[:, : min(n, 128)], labels, "train", device, dtype)()
-    step = make_step(model, ids, labels, "train", device, dtype)
-    model.zero_grad(set_to_none=True)
-    if cuda:  # the allocator's high-water mark; the resident set of a CUDA process says nothing about tensors
-        with _device.cuda_peak(device) as peak:
-            step()
-        return {"peak_mib": peak["peak_mib"]}
-    _trim()
-    base = _status_kib("VmRSS")
-    with open("/proc/self/clear_refs", "w") as handle:
-        handle.write("5")  # reset VmHWM to the current resident set
-    step()
-    peak = _status_kib("VmHWM")
-    return {"peak_mib": (peak - base) / 1024}
-
-
-def _time_round_robin(
-    steps: dict[str, Callable[[], None]], repeats: int, budget_s: float
-) -> dict[str, tuple[float, float, int]]:
-    """name -> (median ms, min ms, timed repeats); warm-up first, then randomised round-robin passes."""
-    first: dict[str, float] = {}
-    for name, step in steps.items():
-        start = time.perf_counter()
-        step()
-        first[name] = time.perf_counter() - start
-    wanted = {name: max(1, min(repeats, int(budget_s / max(t, 1e-9)))) for name, t in first.items()}
-    samples: dict[str, list[float]] = {name: [] for name in steps}
-    rng = random.Random(0)
-    while any(len(samples[name]) < wanted[name] for name in steps):
-        order = [name for name in steps if len(samples[name]) < wanted[name]]
-        rng.shuffle(order)
-        for name in order:
-            start = time.perf_counter()
-            steps[name]()
-            samples[name].append(time.perf_counter() - start)
-    return {name: (statistics.median(v) * 1e3, min(v) * 1e3, len(v)) for name, v in samples.items()}
-
-
-def timing_job(settings: Settings, section: str) -> list[dict[str, Any]]:
-    torch.set_num_threads(settings.threads)
-    shape = settings.sections[section]
-    rows = []
-    for n in shape.lengths:
-        built = {}
-        for variant in VARIANTS:
-            if skip_reason(settings, shape, variant, n) is None:
-                built[variant] = build(shape, variant, n, device=settings.device)
-        for mode in ("train", "infer"):
-            steps = {v: make_step(m, ids, labels, mode, settings.device, settings.dtype)
-                     for v, (m, ids, labels) in built.items()}
-            times = _time_round_robin(steps, settings.repeats, settings.budget_s)
-            load = os.getloadavg()[0]  # > threads means other processes competed for the cores meanwhile
-            for variant, (median, low, reps) in times.items():
-                rows.append({"section": section, "variant": variant, "n": n, "batch": shape.batch, "mode": mode,
-                             "time_ms": median, "time_ms_min": low, "reps": reps, "load1": load})
-            gc.collect()
-        print(f"  [{section}] N={n} timed", flush=True)
-        del built
-        gc.collect()
-    return rows
-
-
-def sublayer_job(settings: Settings) -> list[dict[str, Any]]:
-    torch.set_num_threads(settings.threads)
-    rows = []
-    n = settings.sublayer_n
-    for section in ("bert-base", "lra"):
-        shape = settings.sections[section]
-        steps = sublayer_steps(shape, n, settings.device, settings.dtype)
-        times = _time_round_robin(steps, settings.repeats, settings.budget_s)
-        load = os.getloadavg()[0]
-        for name, (median, low, reps) in times.items():
-            part, variant = name.split(" ")
-            rows.append({"section": f"{part}:{section}", "variant": variant, "n": n, "batch": shape.batch,
-                         "mode": "train", "time_ms": median, "time_ms_min": low, "reps": reps, "load1": load})
-    return rows
-
-
-# ------------------------------------------------------------------------------------------ workers
-def _worker(conn, fn, args) -> None:
-    try:
-        conn.send(("ok", fn(*args)))
-    except BaseException:  # report instead of hanging the parent
-        conn.send(("error", traceback.format_exc()))
-    finally:
-        conn.close()
-
-
-def in_worker(fn: Callable, *args) -> Any:
-    context = multiprocessing.get_context("fork")
-    parent, child = context.Pipe(duplex=False)
-    process = context.Process(target=_worker, args=(child, fn, args))
-    process.start()
-    child.close()
-    status, payload = parent.recv()
-    process.join()
-    if status != "ok":
-        raise RuntimeError(f"worker {fn.__name__}{args[1:]} failed:\n{payload}")
-    return payload
 
 
 # ------------------------------------------------------------------------------------------ analysis
@@ -430,17 +109,10 @@ def fit_exponent(points: list[tuple[int, float]]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else float("nan")
 
 
-def lookup(rows: list[dict], **match) -> Optional[dict]:
-    for row in rows:
-        if all(row.get(k) == v for k, v in match.items()):
-            return row
-    return None
-
-
 def add_ratios(rows: list[dict]) -> None:
     for row in rows:
         for base in ("eager", "sdpa"):
-            ref = lookup(rows, section=row["section"], n=row["n"], mode=row["mode"], variant=base)
+            ref = harness.lookup(rows, section=row["section"], n=row["n"], mode=row["mode"], variant=base)
             ok = ref is not None and ref.get("time_ms") and row.get("time_ms")
             row[f"speedup_vs_{base}"] = ref["time_ms"] / row["time_ms"] if ok else None
             okm = ref is not None and ref.get("peak_mib") and row.get("peak_mib")
@@ -462,7 +134,7 @@ def summarise(settings: Settings, rows: list[dict], quick: bool) -> list[dict[st
                                     "target": "<= 1.1" if variant == "primal-all" and mode == "train" else "",
                                     "met": None})
     n_ref = 4096 if not quick else max(settings.sections["lra"].lengths)
-    primal = lookup(rows, section="lra", variant="primal-all", mode="train", n=n_ref)
+    primal = harness.lookup(rows, section="lra", variant="primal-all", mode="train", n=n_ref)
     for base, speed_target, mem_target in (("eager", 20.0, 15.0), ("sdpa", 6.0, None)):
         if primal and primal.get(f"speedup_vs_{base}"):
             summary.append({"name": f"lra primal-all train speedup vs {base} (N={n_ref})",
@@ -472,14 +144,15 @@ def summarise(settings: Settings, rows: list[dict], quick: bool) -> list[dict[st
                             "value": primal[f"mem_ratio_vs_{base}"], "target": f">= {mem_target:g}", "met": None})
     n = settings.sublayer_n
     for section in ("bert-base", "lra"):
-        att = {v: lookup(rows, section=f"attention:{section}", variant=v, n=n) for v in ("primal-all", "sdpa", "eager")}
+        att = {v: harness.lookup(rows, section=f"attention:{section}", variant=v, n=n)
+               for v in ("primal-all", "sdpa", "eager")}
         for base in ("sdpa", "eager"):
             if att["primal-all"] and att[base]:
                 summary.append({"name": f"{section} attention sub-layer train speedup vs {base} (N={n})",
                                 "value": att[base]["time_ms"] / att["primal-all"]["time_ms"],
                                 "target": ">= 5" if (section, base) == ("bert-base", "sdpa") else "", "met": None})
-        middle = lookup(rows, section=f"middle:{section}", n=n)
-        layer = lookup(rows, section=f"layer:{section}", n=n)
+        middle = harness.lookup(rows, section=f"middle:{section}", n=n)
+        layer = harness.lookup(rows, section=f"layer:{section}", n=n)
         if middle and att["primal-all"]:
             summary.append({"name": f"{section} primal middle share of attention sub-layer fwd+bwd (N={n})",
                             "value": middle["time_ms"] / att["primal-all"]["time_ms"],
@@ -507,14 +180,6 @@ CSV_FIELDS = ["section", "variant", "n", "batch", "mode", "time_ms", "time_ms_mi
               "device", "dtype"]
 
 
-def _fmt(value: Any, digits: int = 1) -> str:
-    if value is None or value == "":
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.{digits}f}"
-    return str(value)
-
-
 def print_table(rows: list[dict], summary: list[dict], header: str) -> None:
     print(header)
     cols = ["section", "variant", "n", "mode", "time_ms", "time_ms_min", "reps", "peak_mib", "speedup_vs_eager",
@@ -522,7 +187,7 @@ def print_table(rows: list[dict], summary: list[dict], header: str) -> None:
     widths = [11, 11, 5, 5, 10, 11, 4, 9, 16, 15, 18, 5, 10]
     print(" ".join(c.rjust(w) for c, w in zip(cols, widths)))
     for row in rows:
-        print(" ".join(_fmt(row.get(c), 2 if c.startswith(("speed", "mem_")) else 1).rjust(w)
+        print(" ".join(harness.fmt(row.get(c), 2 if c.startswith(("speed", "mem_")) else 1).rjust(w)
                        for c, w in zip(cols, widths)))
     print("\nSummary")
     for item in summary:
@@ -584,19 +249,6 @@ def plot(path: Path, rows: list[dict]) -> None:
     plt.close(fig)
 
 
-def environment(settings: Settings) -> str:
-    load = os.getloadavg()
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as handle:
-            cpu = next(line.split(":", 1)[1].strip() for line in handle if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    # The device by name only: asking CUDA for its GPU's name would initialise it in the parent before it forks.
-    return (f"torch {torch.__version__}, {settings.device} {settings.dtype}, {settings.threads} threads, "
-            f"{os.cpu_count()} CPUs ({cpu}), load average {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f}")
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes and three repeats (for tests)")
@@ -611,20 +263,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory workers")
     parser.add_argument("--only", action="append", choices=["lra", "bert-base", "sublayer"],
                         help="run only these parts (repeatable); default: all")
-    _device.add_arguments(parser)
+    harness.add_device_arguments(parser)
     args = parser.parse_args(argv)
-    args.device, args.dtype = _device.resolve(args)
+    args.device, args.dtype = harness.resolve_device(args)
     settings = quick_settings(args) if args.quick else full_settings(args)
     parts = set(args.only or ["lra", "bert-base", "sublayer"])
     started = time.time()
-    header = environment(settings)
+    header = harness.machine_line(settings.device, settings.dtype, settings.threads)
     print(f"Primal-Attention benchmark ({'quick' if args.quick else 'full'}): {header}", flush=True)
 
     rows: list[dict[str, Any]] = []
     for section, shape in settings.sections.items():
         if section not in parts:
             continue
-        rows += in_worker(timing_job, settings, section)
+        rows += harness.in_child(timing_job, settings, section)
         for n in shape.lengths:
             for variant in VARIANTS:
                 reason = skip_reason(settings, shape, variant, n)
@@ -635,12 +287,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                     continue
                 if args.no_memory:
                     continue
-                memory = in_worker(memory_job, settings, section, variant, n)
-                row = lookup(rows, section=section, variant=variant, n=n, mode="train")
+                memory = harness.in_child(memory_job, settings, section, variant, n)
+                row = harness.lookup(rows, section=section, variant=variant, n=n, mode="train")
                 row["peak_mib"] = memory["peak_mib"]
         print(f"  [{section}] memory done ({time.time() - started:.0f} s)", flush=True)
     if "sublayer" in parts:
-        rows += in_worker(sublayer_job, settings)
+        rows += harness.in_child(sublayer_job, settings)
     for row in rows:
         row.setdefault("status", "ok")
         row.update(device=settings.device, dtype=settings.dtype)
@@ -650,7 +302,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     rows.sort(key=lambda r: (sections.index(r["section"]), r["mode"] != "train", r["n"], order.get(r["variant"], 9)))
     add_ratios(rows)
     summary = summarise(settings, rows, args.quick)
-    header = f"{header}; end {environment(settings).split('load average ')[1]}; {time.time() - started:.0f} s"
+    header = f"{header}; end load average {harness.load_average()}; {time.time() - started:.0f} s"
     print_table(rows, summary, header)
     write_outputs(args.out_dir, rows, summary, header)
     print(f"\nwrote {args.out_dir / 'benchmark.csv'}, benchmark_summary.csv and benchmark.png", flush=True)

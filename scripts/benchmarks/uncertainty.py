@@ -30,29 +30,26 @@ score, in-distribution positive), inference time relative to one stock forward o
 diagram per task (``uncertainty_<task>.png``) pools the test predictions of every seed.
 
     pip install -e ".[bench]"
-    python scripts/benchmark_uncertainty.py              # 3 seeds, one thread (about an hour on a CPU core)
-    python scripts/benchmark_uncertainty.py --quick      # smoke run (tiny budgets; what the test executes)
+    python -m scripts.benchmarks.uncertainty              # 3 seeds, one thread (about an hour on a CPU core)
+    python -m scripts.benchmarks.uncertainty --quick      # smoke run (tiny budgets; what the test executes)
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
-import csv
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bbc_news  # noqa: E402
+from . import bbc_news, harness
+from .uncertainty_tasks import DigitsTask, TextTask
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = harness.RESULTS
 CSV, SUMMARY_CSV, PNG = "uncertainty.csv", "uncertainty_summary.csv", "uncertainty_{task}.png"
 SELECTION_CSV = "uncertainty_selection.csv"
 TASKS_ORDER = ("bbc_sentences", "digits_vit")
@@ -97,144 +94,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 # ---------------------------------------------------------------------------------------------- tasks
-def train(model, data, collator, args, seed, epochs, learning_rate, teacher=None):
-    """Trainer (stock) or PrimalTrainer (primal layers: + eta * KSVD + eta_kl * KL, and the teacher if given)."""
-    from transformers import Trainer, TrainingArguments
-
-    from hf_primal import PrimalTrainer
-
-    with tempfile.TemporaryDirectory() as workdir:
-        training = TrainingArguments(
-            output_dir=workdir, per_device_train_batch_size=args.batch_size, learning_rate=learning_rate,
-            num_train_epochs=epochs, warmup_steps=0.06, lr_scheduler_type="linear", save_strategy="no",
-            report_to=[], seed=seed, use_cpu=True, disable_tqdm=True, logging_steps=10**6)
-        kwargs = dict(model=model, args=training, train_dataset=data, data_collator=collator)
-        if getattr(model.config, "primal_attention", None) is None:
-            Trainer(**kwargs).train()
-        else:
-            extra = dict(teacher=teacher, distill_target="logits") if teacher is not None else {}
-            PrimalTrainer(**kwargs, **extra).train()
-    return model.eval()
-
-
-class TextTask:
-    """BBC News sentences, MiniLM fine-tuned; KEP-SVGP by converting the fine-tuned model's last layer and training
-    it against that model (the conversion recipe)."""
-
-    name = "bbc_sentences"
-
-    def __init__(self, args: argparse.Namespace) -> None:
-        from transformers import AutoTokenizer
-
-        from hf_primal.tools.data import minilm_path
-
-        self.args, self.path = args, minilm_path()
-        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
-        tasks, _ = bbc_news.load_tasks(num_labels=10**9, seed=0)
-        task, ood = tasks["sentences"], bbc_news.TOPICS.index(args.ood_topic)
-        relabel = {old: new for new, old in enumerate(i for i in range(len(bbc_news.TOPICS)) if i != ood)}
-        limit = 48 if args.quick else 10**9
-
-        def inside(rows):
-            return [(text, relabel[label]) for text, label in rows if label != ood]
-
-        self.rows = {"train": inside(task.train)[: args.labels], "validation": inside(task.validation)[:limit],
-                     "test": inside(task.test)[:limit], "ood": [(t, 0) for t, y in task.test if y == ood][:limit]}
-
-    def batches(self, split: str, size: int = 64) -> list[dict]:
-        rows = self.rows[split]
-        return [dict(self.tokenizer([r[0] for r in rows[i:i + size]], padding=True, truncation=True,
-                                    max_length=self.args.max_length, return_tensors="pt"))
-                for i in range(0, len(rows), size)]
-
-    def _train(self, model, seed, epochs, learning_rate, teacher=None):
-        from datasets import Dataset
-        from transformers import DataCollatorWithPadding
-
-        rows = self.rows["train"]
-        enc = self.tokenizer([r[0] for r in rows], truncation=True, max_length=self.args.max_length)
-        data = Dataset.from_dict({**enc, "labels": [r[1] for r in rows]})
-        return train(model, data, DataCollatorWithPadding(self.tokenizer), self.args, seed, epochs, learning_rate,
-                     teacher)
-
-    def stock(self, seed: int):
-        from transformers import AutoModelForSequenceClassification
-
-        torch.manual_seed(seed)
-        model = AutoModelForSequenceClassification.from_pretrained(self.path, num_labels=len(bbc_news.TOPICS) - 1)
-        return self._train(model, seed, self.args.epochs, self.args.learning_rate)
-
-    def kep(self, stock, seed: int, eta_kl: float):
-        from hf_primal.tools.selection import swap_to_primal
-
-        torch.manual_seed(seed)
-        student = copy.deepcopy(stock)
-        swap_to_primal(student, kep_spec(self.args, eta_kl))
-        return self._train(student.train(), seed, self.args.kep_epochs, self.args.kep_learning_rate, teacher=stock)
-
-
-class DigitsTask:
-    """scikit-learn's 8x8 digits (1,797 images; BSD licence), a small ViT trained from scratch on nine digits, the
-    tenth (``--ood-digit``) out of distribution; KEP-SVGP as the last layer of the same ViT, also from scratch."""
-
-    name = "digits_vit"
-
-    def __init__(self, args: argparse.Namespace) -> None:
-        from sklearn.datasets import load_digits
-
-        self.args = args
-        digits = load_digits()
-        images = torch.tensor(digits.images, dtype=torch.float32)[:, None] / 16.0
-        labels = torch.tensor(digits.target)
-        order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))
-        cut = [int(f * len(order)) for f in (0.6, 0.75)]
-        parts = {"train": order[:cut[0]], "validation": order[cut[0]:cut[1]], "test": order[cut[1]:]}
-        keep = [d for d in range(10) if d != args.ood_digit]
-        relabel = torch.full((10,), -1, dtype=torch.long)
-        relabel[keep] = torch.arange(9)
-        limit = 48 if args.quick else 10**9
-        self.rows = {split: [(images[i], int(relabel[labels[i]])) for i in idx if labels[i] != args.ood_digit][:limit]
-                     for split, idx in parts.items()}
-        self.rows["ood"] = [(images[i], 0) for i in parts["test"] if labels[i] == args.ood_digit][:limit]
-
-    def batches(self, split: str, size: int = 64) -> list[dict]:
-        rows = self.rows[split]
-        return [{"pixel_values": torch.stack([r[0] for r in rows[i:i + size]])} for i in range(0, len(rows), size)]
-
-    def _model(self, seed: int, spec=None):
-        from transformers import ViTConfig, ViTForImageClassification
-
-        torch.manual_seed(seed)
-        config = ViTConfig(image_size=8, patch_size=2, num_channels=1, hidden_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, intermediate_size=128, num_labels=9, hidden_dropout_prob=0.1,
-                           **({"primal_attention": spec.to_dict()} if spec is not None else {}))
-        return ViTForImageClassification(config)
-
-    def _train(self, model, seed):
-        from datasets import Dataset
-
-        rows = self.rows["train"]
-        data = Dataset.from_dict({"pixel_values": [r[0].tolist() for r in rows], "labels": [r[1] for r in rows]})
-
-        def collate(items):
-            return {"pixel_values": torch.tensor([x["pixel_values"] for x in items]),
-                    "labels": torch.tensor([x["labels"] for x in items])}
-
-        epochs = 2.0 if self.args.quick else self.args.digits_epochs
-        return train(model, data, collate, self.args, seed, epochs, self.args.digits_learning_rate)
-
-    def stock(self, seed: int):
-        return self._train(self._model(seed), seed)
-
-    def kep(self, stock, seed: int, eta_kl: float):
-        return self._train(self._model(seed, kep_spec(self.args, eta_kl)), seed)
-
-
-def kep_spec(args: argparse.Namespace, eta_kl: float):
-    from hf_primal import PrimalAttentionConfig
-
-    return PrimalAttentionConfig(layers=[-1], low_rank=args.low_rank, rank_multi=10, variant="kep_svgp",
-                                 eta_kl=eta_kl, covariance=args.covariance)
 
 
 TASKS = {"bbc_sentences": TextTask, "digits_vit": DigitsTask}
@@ -330,21 +189,6 @@ def chosen_kep(args, task, inputs, labels, stock, seed):
 
 
 # ---------------------------------------------------------------------------------------------- files
-def read_rows(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    with open(path, encoding="utf-8") as handle:
-        return list(csv.DictReader(handle))
-
-
-def write_rows(path: Path, rows: list[dict]) -> None:
-    fields = list(dict.fromkeys(key for row in rows for key in row))
-    with open(path, "w", newline="", encoding="utf-8") as handle:
-        writer = csv.DictWriter(handle, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
-
-
 def summarise(rows: list[dict]) -> list[dict[str, Any]]:
     """Mean and standard deviation over seeds of every metric, per task and method (in `METHODS` order)."""
     out = []
@@ -396,7 +240,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     hf_logging.set_verbosity_error()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    rows, selection = read_rows(out / CSV), read_rows(out / SELECTION_CSV)
+    rows, selection = harness.read_rows(out / CSV), harness.read_rows(out / SELECTION_CSV)
     pooled: dict[str, dict[str, list]] = {}
     for name in args.tasks:
         task = TASKS[name](args)
@@ -409,12 +253,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             selection = [r for r in selection if (r["task"], int(r["seed"])) != (name, seed)] + chosen
             for method, p in probs.items():
                 pooled.setdefault(name, {}).setdefault(method, []).append((p, labels))
-            write_rows(out / CSV, rows)
-            write_rows(out / SELECTION_CSV, selection)
+            harness.write_rows(out / CSV, rows)
+            harness.write_rows(out / SELECTION_CSV, selection)
             print(f"  seed {seed}: " + "; ".join(f"{r['method']} acc {100 * r['accuracy']:.1f} ece "
                                                f"{100 * r['ece']:.1f} ood {100 * r['ood_auroc']:.1f}" for r in new),
                   flush=True)
-    write_rows(out / SUMMARY_CSV, summarise(rows))
+    harness.write_rows(out / SUMMARY_CSV, summarise(rows))
     for name, by_method in pooled.items():  # one file per task: a run of one task leaves the others' diagrams
         reliability_plot(out / PNG.format(task=name), {name: by_method})
     return 0

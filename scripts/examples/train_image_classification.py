@@ -13,7 +13,7 @@ Example (a ViT built from scratch, every layer primal, on the digits)::
 
     echo '{"model_type": "vit", "image_size": 32, "patch_size": 4, "hidden_size": 64, "num_hidden_layers": 4,
            "num_attention_heads": 4, "intermediate_size": 128}' > vit.json
-    HF_HUB_OFFLINE=1 python scripts/train_image_classification.py --config_name vit.json --dataset digits \\
+    HF_HUB_OFFLINE=1 python scripts/examples/train_image_classification.py --config_name vit.json --dataset digits \\
         --primal_layers all --low_rank 8 --rank_multi 4 --eta 0.05 \\
         --output_dir out/vit --num_train_epochs 5 --per_device_train_batch_size 64 --learning_rate 1e-3
 """
@@ -21,13 +21,13 @@ Example (a ViT built from scratch, every layer primal, on the digits)::
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import datasets
 import numpy as np
 import torch
+from common import ModelArguments, load_config, load_model, parse_args, phases, train_and_evaluate
 from PIL import Image
 from transformers import (
     AutoImageProcessor,
@@ -38,12 +38,8 @@ from transformers import (
     set_seed,
 )
 
-# `python scripts/x.py` puts scripts/ on sys.path but importing main() from elsewhere (tests) does not.
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import ModelArguments, load_config, load_model, parse_args, phases, train_and_evaluate  # noqa: E402
-
-from hf_primal import PrimalTrainer  # noqa: E402
-from hf_primal.tools.metrics import load_metric  # noqa: E402
+from hf_primal import PrimalTrainer
+from hf_primal.tools.metrics import load_metric
 
 DATASETS = ("digits",)
 

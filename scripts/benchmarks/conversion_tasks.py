@@ -21,19 +21,14 @@ after the accuracy runs, alone. Also ``conversion_sensitivity.json``, ``conversi
 std over seeds) and ``conversion_tasks.png``.
 
     pip install -e ".[bench]"
-    python scripts/benchmark_conversion_tasks.py             # everything, two one-thread workers
-    python scripts/benchmark_conversion_tasks.py --quick     # smoke run (tiny budgets; what the test executes)
-    python scripts/benchmark_conversion_tasks.py --only timing --device cuda --dtype bf16   # the timing on a GPU
+    python -m scripts.benchmarks.conversion_tasks             # everything, two one-thread workers
+    python -m scripts.benchmarks.conversion_tasks --quick     # smoke run (tiny budgets; what the test executes)
+    python -m scripts.benchmarks.conversion_tasks --only timing --device cuda --dtype bf16   # the timing on a GPU
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import copy
-import csv
-import json
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -43,13 +38,19 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _device  # noqa: E402
-import bbc_news  # noqa: E402
+from . import harness
+from .conversion_tasks_jobs import (
+    SENSITIVITY_JSON,
+    chosen_layers,
+    primal_spec,
+    run_job,
+    setup,
+    teacher_dir,
+)
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = harness.RESULTS
 TASKS_CSV, SUMMARY_CSV, EMBED_CSV = "conversion_tasks.csv", "conversion_tasks_summary.csv", "conversion_embeddings.csv"
-TIMING_CSV, SENSITIVITY_JSON, PNG = "conversion_timing.csv", "conversion_sensitivity.json", "conversion_tasks.png"
+TIMING_CSV, PNG = "conversion_timing.csv", "conversion_tasks.png"
 SELECTIONS = ("auto", "last")
 
 
@@ -81,9 +82,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out-dir", default=str(RESULTS))
     p.add_argument("--work-dir", default=None, help="where the fine-tuned stock teachers are kept (default: a "
                    "folder in the system's temporary directory)")
-    _device.add_arguments(p)  # of the timing phase only; the accuracy runs stay on the CPU
+    harness.add_device_arguments(p)  # of the timing phase only; the accuracy runs stay on the CPU
     args = p.parse_args(argv)
-    args.device, args.dtype = _device.resolve(args)
+    args.device, args.dtype = harness.resolve_device(args)
     if args.quick:
         args.labels, args.seeds, args.ks, args.all_seed_ks, args.embed_ks, args.epochs = 24, "0", "1", "1", "1", 1.0
         args.recipe_steps, args.unlabeled, args.sensitivity_steps, args.embed_steps = 2, 64, 2, 2
@@ -96,204 +97,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # ---------------------------------------------------------------------------------------------- shared pieces
-def _setup():
-    torch.set_num_threads(1)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-
-
-def _spec(args, layers):
-    from hf_primal import PrimalAttentionConfig
-
-    return PrimalAttentionConfig(layers=list(layers), low_rank=args.low_rank, rank_multi=args.rank_multi, eta=args.eta)
-
-
-def _data(args):
-    tasks, unlabeled = bbc_news.load_tasks(args.labels, seed=0, test_size=1075 if not args.quick else 60)
-    if args.quick:
-        for task in tasks.values():
-            task.test = task.test[:60]
-    return tasks, unlabeled[: args.unlabeled]
-
-
-def _tokenizer():
-    from transformers import AutoTokenizer
-
-    from hf_primal.tools.data import minilm_path
-
-    return AutoTokenizer.from_pretrained(minilm_path())
-
-
-def _dataset(tokenizer, rows, max_length, labels=True):
-    from datasets import Dataset
-
-    texts = [r[0] for r in rows] if labels else list(rows)
-    enc = tokenizer(texts, truncation=True, max_length=max_length)
-    return Dataset.from_dict({**enc, **({"labels": [r[1] for r in rows]} if labels else {})})
-
-
-@torch.no_grad()
-def evaluate(model, tokenizer, rows, max_length) -> dict:
-    from sklearn.metrics import f1_score
-
-    model.eval()
-    predicted = []
-    for i in range(0, len(rows), 128):
-        batch = tokenizer([r[0] for r in rows[i:i + 128]], padding=True, truncation=True, max_length=max_length,
-                          return_tensors="pt")
-        predicted += model(**batch).logits.argmax(-1).tolist()
-    truth = [r[1] for r in rows]
-    return {"accuracy": sum(p == t for p, t in zip(predicted, truth)) / len(truth),
-            "macro_f1": float(f1_score(truth, predicted, average="macro"))}
-
-
-def _train(model, tokenizer, train_rows, args, seed, workdir, *, teacher=None, unlabeled=None, steps=None):
-    from transformers import DataCollatorWithPadding, Trainer, TrainingArguments
-
-    from hf_primal import PrimalTrainer
-
-    training = TrainingArguments(
-        output_dir=workdir, per_device_train_batch_size=args.batch_size, learning_rate=args.learning_rate,
-        num_train_epochs=args.epochs, max_steps=steps or -1, warmup_steps=0.06, lr_scheduler_type="linear",
-        save_strategy="no", report_to=[], seed=seed, use_cpu=True, disable_tqdm=True, logging_steps=10**6)
-    kwargs = {"model": model, "args": training, "train_dataset": _dataset(tokenizer, train_rows, args.max_length),
-              "data_collator": DataCollatorWithPadding(tokenizer)}
-    primal = getattr(model.config, "primal_attention", None) is not None
-    if teacher is not None:
-        kwargs.update(teacher=teacher, distill_target="logits",
-                      distill_dataset=_dataset(tokenizer, unlabeled, args.max_length, labels=False))
-    (PrimalTrainer if primal else Trainer)(**kwargs).train()
-    return model
 
 
 # ---------------------------------------------------------------------------------------------- jobs
-def job_teacher(args, task_name, seed):
-    from transformers import BertForSequenceClassification
-
-    from hf_primal.tools.data import minilm_path
-
-    tasks, _ = _data(args)
-    tokenizer, task = _tokenizer(), tasks[task_name]
-    started = time.time()
-    torch.manual_seed(seed)
-    model = BertForSequenceClassification.from_pretrained(minilm_path(), num_labels=len(bbc_news.TOPICS))
-    with tempfile.TemporaryDirectory() as scratch:
-        _train(model, tokenizer, task.train, args, seed, scratch)
-    model.save_pretrained(_teacher_dir(args, task_name, seed))
-    return [{"task": task_name, "variant": "stock", "selection": "", "k": 0, "layers": "", "seed": seed,
-             "seconds": round(time.time() - started, 1), **evaluate(model, tokenizer, task.test, args.max_length)}]
-
-
-def job_plain(args, task_name, seed):
-    from transformers import BertForSequenceClassification
-
-    from hf_primal.tools.data import minilm_path
-
-    tasks, _ = _data(args)
-    tokenizer, task = _tokenizer(), tasks[task_name]
-    started = time.time()
-    torch.manual_seed(seed)
-    model = BertForSequenceClassification.from_pretrained(minilm_path(), num_labels=len(bbc_news.TOPICS),
-                                                          primal_attention=_spec(args, [-1]))
-    with tempfile.TemporaryDirectory() as scratch:
-        _train(model, tokenizer, task.train, args, seed, scratch)
-    return [{"task": task_name, "variant": "plain", "selection": "last", "k": 1, "layers": "5", "seed": seed,
-             "seconds": round(time.time() - started, 1), **evaluate(model, tokenizer, task.test, args.max_length)}]
-
-
-def job_sensitivity(args):
-    from transformers import BertModel
-
-    from hf_primal import layer_sensitivity, text_batches
-    from hf_primal.tools.data import minilm_path
-
-    _, unlabeled = _data(args)
-    batches = text_batches(_tokenizer(), unlabeled[:1600], 32, args.max_length)  # 40 to train on, 10 held out
-    sensitivity = layer_sensitivity(BertModel.from_pretrained(minilm_path()), batches, _spec(args, [-1]),
-                                    steps=args.sensitivity_steps, progress=False)
-    Path(args.out_dir, SENSITIVITY_JSON).write_text(json.dumps(sensitivity.to_dict(), indent=1))
-    return []
-
-
-def job_recipe(args, task_name, seed, selection, k):
-    from transformers import BertForSequenceClassification
-
-    from hf_primal import convert
-
-    tasks, unlabeled = _data(args)
-    tokenizer, task = _tokenizer(), tasks[task_name]
-    layers = chosen_layers(args, selection, k)
-    teacher = BertForSequenceClassification.from_pretrained(_teacher_dir(args, task_name, seed)).eval()
-    started = time.time()
-    torch.manual_seed(seed)
-    student = convert(copy.deepcopy(teacher), _spec(args, layers), progress=False)
-    with tempfile.TemporaryDirectory() as scratch:
-        _train(student, tokenizer, task.train, args, seed, scratch, teacher=teacher, unlabeled=unlabeled,
-               steps=args.recipe_steps)
-    return [{"task": task_name, "variant": "recipe", "selection": selection, "k": k,
-             "layers": " ".join(map(str, layers)), "seed": seed, "seconds": round(time.time() - started, 1),
-             **evaluate(student, tokenizer, task.test, args.max_length)}]
-
-
-def job_embeddings(args, selection, k):
-    from transformers import BertModel
-
-    from hf_primal import convert, knn_accuracy, neighbour_overlap, text_batches
-    from hf_primal.tools.data import minilm_path
-
-    tasks, unlabeled = _data(args)
-    tokenizer = _tokenizer()
-    index_rows, _ = bbc_news.load_tasks(args.knn_index + args.labels, seed=0)
-    index_rows = index_rows["sentences"].train[: args.knn_index]
-    queries = tasks["sentences"].test
-    original = BertModel.from_pretrained(minilm_path())
-    ref_index, ref_queries = (embed(original, tokenizer, [r[0] for r in rows], args.max_length)
-                              for rows in (index_rows, queries))
-    row = {"selection": selection, "k": k, "layers": "", "seconds": 0.0}
-    model = original
-    if k > 0:
-        layers = chosen_layers(args, selection, k)
-        started = time.time()
-        torch.manual_seed(0)
-        # 2,400 texts: 60 batches to train on and 15 held out, measured 12 times along the way.
-        model = convert(copy.deepcopy(original), _spec(args, layers), text_batches(tokenizer, unlabeled[:2400], 32,
-                        args.max_length), method="distill", steps=args.embed_steps, progress=False)
-        row.update(layers=" ".join(map(str, layers)), seconds=round(time.time() - started, 1))
-    index, found = (embed(model, tokenizer, [r[0] for r in rows], args.max_length) for rows in (index_rows, queries))
-    labels = ([r[1] for r in index_rows], [r[1] for r in queries])
-    row.update(cosine=float(torch.nn.functional.cosine_similarity(found, ref_queries).mean()),
-               knn_accuracy=knn_accuracy(index, labels[0], found, labels[1], k=10),
-               neighbour_overlap=neighbour_overlap(ref_index, ref_queries, index, found, k=10))
-    return [row]
-
-
-def embed(model, tokenizer, texts, max_length) -> torch.Tensor:
-    """Mean-pooled final hidden states in the order of `texts` (the conversion benchmark's, in batches of 128)."""
-    from benchmark_conversion import embeddings
-
-    return embeddings(model, tokenizer, texts, max_length, batch_size=128)
-
-
-def chosen_layers(args, selection, k, num_layers=6) -> list[int]:
-    if selection == "last":
-        return list(range(num_layers - k, num_layers))
-    ranking = json.loads(Path(args.out_dir, SENSITIVITY_JSON).read_text())["ranking"]
-    return sorted(ranking[:k])
-
-
-def _teacher_dir(args, task_name, seed) -> str:
-    # Named by everything that shapes the teacher, so a run with other settings never reuses it.
-    settings = (f"labels{args.labels}_epochs{args.epochs:g}_lr{args.learning_rate:g}_bs{args.batch_size}_"
-                f"len{args.max_length}")
-    return os.path.join(args.work_dir, f"teacher_{task_name}_{seed}_{settings}")
-
-
-def _run(job):
-    _setup()
-    name, args, params = job
-    return name, params, globals()[f"job_{name}"](args, *params)
 
 
 # ---------------------------------------------------------------------------------------------- scheduling
@@ -323,28 +129,9 @@ def _key(row) -> tuple:
     return tuple(str(row.get(c, "")) for c in ("task", "variant", "selection", "k", "seed"))
 
 
-def _read(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    with open(path, encoding="utf-8") as handle:
-        return list(csv.DictReader(handle))
-
-
-def _write(path: Path, rows: list[dict]) -> None:
-    if not rows:
-        return
-    fields = list(dict.fromkeys(key for row in rows for key in row))
-    with open(path, "w", newline="", encoding="utf-8") as handle:
-        writer = csv.DictWriter(handle, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
-
-
 def run_accuracy(args) -> None:
-    from tqdm.auto import tqdm
-
     out = Path(args.out_dir)
-    task_rows, embed_rows = _read(out / TASKS_CSV), _read(out / EMBED_CSV)
+    task_rows, embed_rows = harness.read_rows(out / TASKS_CSV), harness.read_rows(out / EMBED_CSV)
     done_tasks = {_key(r) for r in task_rows}
     done_embed = {(r["selection"], str(r["k"])) for r in embed_rows}
     first, second = accuracy_jobs(args)
@@ -355,7 +142,7 @@ def run_accuracy(args) -> None:
             return (params[0], str(params[1])) not in done_embed
         if name == "sensitivity":
             return not (out / SENSITIVITY_JSON).exists()
-        if name == "teacher" and not os.path.isdir(_teacher_dir(args, *params)):
+        if name == "teacher" and not os.path.isdir(teacher_dir(args, *params)):
             return True
         task, seed = params[0], params[1]
         variant = {"teacher": "stock", "plain": "plain", "recipe": "recipe"}[name]
@@ -363,34 +150,28 @@ def run_accuracy(args) -> None:
         return (task, variant, selection, str(k), str(seed)) not in done_tasks
 
     # One fresh one-thread process per job (nothing carries over between variants); --workers 1 runs them here.
-    pool = mp.get_context("spawn").Pool(args.workers, maxtasksperchild=1) if args.workers > 1 else None
-    with pool or contextlib.nullcontext():
-        for phase, jobs in (("teachers, plain, ranking", first), ("recipes, embeddings", second)):
-            todo = [(name, args, params) for name, params in jobs if pending((name, params))]
-            bar = tqdm(total=len(todo), desc=phase)
-            for name, params, rows in (pool.imap_unordered(_run, todo) if pool else map(_run, todo)):
-                if name == "embeddings":
-                    embed_rows = [r for r in embed_rows if (r["selection"], str(r["k"])) != (params[0], str(params[1]))]
-                    embed_rows += rows
-                    _write(out / EMBED_CSV, embed_rows)
-                elif rows:
-                    task_rows = [r for r in task_rows if _key(r) != _key(rows[0])] + rows
-                    _write(out / TASKS_CSV, task_rows)
-                bar.update(1)
-                bar.set_postfix_str(f"{name} {params}")
-            bar.close()
+    for phase, jobs in (("teachers, plain, ranking", first), ("recipes, embeddings", second)):
+        todo = [(name, args, params) for name, params in jobs if pending((name, params))]
+        for name, params, rows in harness.run_jobs(run_job, todo, args.workers, phase):
+            if name == "embeddings":
+                embed_rows = [r for r in embed_rows if (r["selection"], str(r["k"])) != (params[0], str(params[1]))]
+                embed_rows += rows
+                harness.write_rows(out / EMBED_CSV, embed_rows)
+            elif rows:
+                task_rows = [r for r in task_rows if _key(r) != _key(rows[0])] + rows
+                harness.write_rows(out / TASKS_CSV, task_rows)
 
 
 # ---------------------------------------------------------------------------------------------- timing
 def _time_forward(model, batch, repeats, device: str = "cpu", dtype: str = "fp32") -> float:
-    with torch.no_grad(), _device.autocast(device, dtype):
+    with torch.no_grad(), harness.autocast(device, dtype):
         model(**batch)
         times = []
         for _ in range(repeats):
-            _device.synchronize(device)  # CUDA runs kernels asynchronously: the clock waits for them at both ends
+            harness.synchronize(device)  # CUDA runs kernels asynchronously: the clock waits for them at both ends
             started = time.perf_counter()
             model(**batch)
-            _device.synchronize(device)
+            harness.synchronize(device)
             times.append(time.perf_counter() - started)
     return statistics.median(times)
 
@@ -401,7 +182,7 @@ def run_timing(args) -> None:
 
     from hf_primal.tools.data import minilm_path
 
-    _setup()
+    setup()
     torch.set_num_threads(args.timing_threads)
     rows = []
     shapes = [("MiniLM-L6", 128, 16), ("MiniLM-L6", 512, 4), ("BERT-base width, 6 layers", 4096, 1)]
@@ -430,13 +211,14 @@ def run_timing(args) -> None:
                 if k == 6 and selection == "auto":
                     continue
                 layers = chosen_layers(args, selection, k)
-                seconds = _time_forward(build(_spec(args, layers).to_dict()), batch, repeats, args.device, args.dtype)
+                model = build(primal_spec(args, layers).to_dict())
+                seconds = _time_forward(model, batch, repeats, args.device, args.dtype)
                 rows.append({"model": name, "tokens": length, "batch": batch_size, "selection": selection, "k": k,
                              "layers": " ".join(map(str, layers)), "stock_seconds": round(stock, 5),
                              "primal_seconds": round(seconds, 5), "time_vs_stock": round(seconds / stock, 4),
                              "threads": args.timing_threads, "load_average": round(os.getloadavg()[0], 2),
                              "device": args.device, "dtype": args.dtype})
-    _write(Path(args.out_dir, TIMING_CSV), rows)
+    harness.write_rows(Path(args.out_dir, TIMING_CSV), rows)
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -499,9 +281,9 @@ def plot(summary: list[dict], embeddings: list[dict], timing: list[dict], path: 
 
 def report(args) -> None:
     out = Path(args.out_dir)
-    summary = summarise(_read(out / TASKS_CSV))
-    _write(out / SUMMARY_CSV, summary)
-    embeddings, timing = _read(out / EMBED_CSV), _read(out / TIMING_CSV)
+    summary = summarise(harness.read_rows(out / TASKS_CSV))
+    harness.write_rows(out / SUMMARY_CSV, summary)
+    embeddings, timing = harness.read_rows(out / EMBED_CSV), harness.read_rows(out / TIMING_CSV)
     plot(summary, embeddings, timing, out / PNG)
     print(f"\n{'task':<10} {'variant':<7} {'sel':<5} {'K':>2} {'layers':<12} {'seeds':>5} {'accuracy':>16} "
           f"{'macro-F1':>16}")

@@ -18,8 +18,8 @@ fine-tuning. Writes ``conversion_benchmark.csv``, ``conversion_benchmark.png`` a
 (held-out distillation curves) to ``--out-dir``.
 
     pip install -e ".[bench]"
-    python scripts/benchmark_conversion.py                       # all variants (about 1.5 hours on 2 cores)
-    python scripts/benchmark_conversion.py --variants stock,recipe-last
+    python -m scripts.benchmarks.conversion                       # all variants (about 1.5 hours on 2 cores)
+    python -m scripts.benchmarks.conversion --variants stock,recipe-last
 """
 
 from __future__ import annotations
@@ -35,14 +35,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bbc_news  # noqa: E402
+import hf_primal
+from hf_primal import PrimalAttentionConfig, PrimalTrainer, convert
+from hf_primal.tools.convert import text_batches
+from hf_primal.tools.data import minilm_path
 
-import hf_primal  # noqa: E402
-from hf_primal import PrimalAttentionConfig, PrimalTrainer, convert  # noqa: E402
-from hf_primal.tools.convert import text_batches  # noqa: E402
-from hf_primal.tools.data import minilm_path  # noqa: E402
-from hf_primal.training.teacher_loss import masked_mean_pool  # noqa: E402
+from . import bbc_news
+from .minilm import embeddings
 
 VARIANTS = ("stock", "naive-last", "recipe-last", "naive-all", "recipe-all")
 CSV_NAME, PNG_NAME, CURVES_NAME = "conversion_benchmark.csv", "conversion_benchmark.png", "conversion_curves.json"
@@ -77,18 +76,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if unknown:
         p.error(f"--variants: unknown {unknown}; allowed: {', '.join(VARIANTS)}")
     return args
-
-
-@torch.no_grad()
-def embeddings(model, tokenizer, texts, max_length, batch_size=64) -> torch.Tensor:
-    """Mean-pooled final hidden states, in the order of `texts`."""
-    model.eval()
-    out = []
-    for i in range(0, len(texts), batch_size):
-        batch = tokenizer(texts[i:i + batch_size], padding=True, truncation=True, max_length=max_length,
-                          return_tensors="pt")
-        out.append(masked_mean_pool(model(**batch).last_hidden_state, batch["attention_mask"]))
-    return torch.cat(out)
 
 
 def fine_tune(model_dir, tokenizer, train, test, args, primal: bool, workdir) -> dict:

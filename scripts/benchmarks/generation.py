@@ -49,48 +49,36 @@ eager dynamic-cache ones for the same prompt (the worker raises otherwise). Writ
 Outputs: a table on stdout (absolute numbers and ratios to stock SDPA at the same context), a CSV and a
 PNG plot in ``--out-dir``. Latencies depend on the machine and its load; run on an idle machine.
 
-    python scripts/benchmark_generation.py                      # full run (~6-9 min on 2 busy CPU cores)
-    python scripts/benchmark_generation.py --quick --out-dir /tmp/bench   # tiny model, seconds
-    python scripts/benchmark_generation.py --device cuda --dtype bf16      # on a GPU (autocast, allocator peaks)
+    python -m scripts.benchmarks.generation                      # full run (~6-9 min on 2 busy CPU cores)
+    python -m scripts.benchmarks.generation --quick --out-dir /tmp/bench   # tiny model, seconds
+    python -m scripts.benchmarks.generation --device cuda --dtype bf16      # on a GPU (autocast, allocator peaks)
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
-import ctypes
-import gc
-import multiprocessing
 import os
-import random
-import resource
 import statistics
-import sys
 import time
-import traceback
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Optional
 
-# Workers are forked. By default torch.cuda.is_available() (`_device.resolve` calls it; libraries may too) runs
-# cuInit, after which CUDA fails in every forked child; the NVML-based check leaves the parent uninitialised.
-os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+import torch
 
-import torch  # noqa: E402
-from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, StaticCache  # noqa: E402
+import hf_primal  # noqa: F401  (lets GPT2Config take `primal_attention`)
 
-import hf_primal  # noqa: E402, F401  (lets GPT2Config take `primal_attention`)
-from hf_primal.modeling.cache import cache_kwarg, cache_nbytes  # noqa: E402
+# harness keeps the parent free of a CUDA context (the workers are forked): it sets the NVML-based check, read
+# when torch.cuda.is_available() is first called.
+from . import harness
+from .generation_steps import (
+    VARIANTS,
+    Shape,
+    measure_compiled,
+    measure_latency,
+    measure_memory,
+)
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when loaded from a file by the tests
-import _device  # noqa: E402
-
-VARIANTS: dict[str, Optional[dict]] = {
-    "all-primal": {"layers": "all"},
-    "last-layer-primal": {"layers": [-1]},
-    "stock-sdpa": None,
-}
 BASELINE = "stock-sdpa"
 CSV_NAME = "generation_benchmark.csv"
 PNG_NAME = "generation_benchmark.png"
@@ -98,241 +86,14 @@ COMPILED_CSV_NAME = "generation_compiled.csv"
 COMPILED_VARIANTS = ("all-primal", BASELINE)
 
 
-@dataclass(frozen=True)
-class Shape:
-    n_layer: int
-    n_embd: int
-    n_head: int
-    vocab_size: int
-    n_positions: int
-
-
 GPT2_SMALL = Shape(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=4608)
 TINY = Shape(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=128)
 
 
 # ----------------------------------------------------------------------------------------- memory probes
-def _reset_peak_rss() -> bool:
-    """Restart the kernel's RSS high-water mark at the current RSS (Linux >= 4.0); False if unsupported."""
-    try:
-        with open("/proc/self/clear_refs", "w") as handle:
-            handle.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _peak_rss_mb() -> float:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes on macOS, KiB elsewhere
-
-
-def _rss_mb() -> float:
-    try:
-        with open("/proc/self/statm") as handle:
-            pages = int(handle.read().split()[1])
-        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except (OSError, ValueError):
-        return float("nan")
-
-
-def _cuda_mb(device: str) -> float:
-    return torch.cuda.memory_allocated(device) / 2**20
-
-
-def _cuda_peak(device: str) -> contextlib.AbstractContextManager[dict]:
-    """`_device.cuda_peak` on CUDA; on CPU nothing (the RSS high-water mark is read directly there)."""
-    return _device.cuda_peak(device) if device.startswith("cuda") else contextlib.nullcontext({})
-
-
-def _release_free_memory() -> None:
-    # glibc keeps freed prefill buffers mapped; hand them back so that they do not count as decode memory.
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 # ----------------------------------------------------------------------------------------- one measurement
-def build_model(variant: str, shape: Shape, seed: int, device: str = "cpu") -> GPT2LMHeadModel:
-    """Randomly initialised GPT-2 of `shape`; `variant` picks which layers (if any) are primal."""
-    torch.manual_seed(seed)
-    config = GPT2Config(
-        n_layer=shape.n_layer,
-        n_embd=shape.n_embd,
-        n_head=shape.n_head,
-        vocab_size=shape.vocab_size,
-        n_positions=shape.n_positions,
-        bos_token_id=shape.vocab_size - 1,  # GPT-2's <|endoftext|> id, kept inside smaller test vocabularies
-        eos_token_id=shape.vocab_size - 1,
-        primal_attention=VARIANTS[variant],
-    )
-    config._attn_implementation = "sdpa"  # canonical layers of every variant run SDPA, like stock
-    return GPT2LMHeadModel(config).eval().to(device)  # built on the CPU: the same weights on every device
-
-
-def _branch(cache: DynamicCache) -> DynamicCache:
-    """A cache that starts from `cache`'s contents without copying them.
-
-    DynamicLayer and PrimalCacheLayer replace their tensors on every update instead of writing into them,
-    so shallow copies of the layers can be decoded from while the original stays at the prefill state.
-    """
-    branch = DynamicCache.__new__(DynamicCache)
-    branch.__dict__.update(cache.__dict__)
-    branch.layers = [layer.__class__.__new__(layer.__class__) for layer in cache.layers]
-    for new, old in zip(branch.layers, cache.layers):
-        new.__dict__.update(old.__dict__)
-    return branch
-
-
-def _decode(model: GPT2LMHeadModel, cache: DynamicCache, token: torch.Tensor, steps: int, device: str = "cpu",
-            dtype: str = "fp32") -> float:
-    _device.synchronize(device)
-    start = time.perf_counter()
-    with _device.autocast(device, dtype):
-        for _ in range(steps):
-            logits = model(token, **{cache_kwarg(): cache}, use_cache=True).logits
-            token = logits[:, -1].argmax(-1, keepdim=True)
-    _device.synchronize(device)  # CUDA runs kernels asynchronously: wait for them before reading the clock
-    return time.perf_counter() - start
-
-
-def _prefill(model: GPT2LMHeadModel, prompt: torch.Tensor, device: str = "cpu",
-             dtype: str = "fp32") -> tuple[DynamicCache, torch.Tensor, float]:
-    cache = DynamicCache(config=model.config)
-    _device.synchronize(device)
-    start = time.perf_counter()
-    # Only the last position's logits are needed, as in generate(); a full (context, vocab) logits tensor
-    # would dominate the prefill memory of every variant alike.
-    with _device.autocast(device, dtype):
-        logits = model(prompt, **{cache_kwarg(): cache}, use_cache=True, logits_to_keep=1).logits
-    _device.synchronize(device)
-    elapsed = time.perf_counter() - start
-    return cache, logits[:, -1].argmax(-1, keepdim=True), elapsed
-
-
-def _prompt(shape: Shape, context: int, seed: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed + context)
-    return torch.randint(0, shape.vocab_size, (1, context), generator=generator)
-
-
-def measure_memory(variant: str, context: int, shape: Shape, new_tokens: int, threads: int, seed: int,
-                   device: str = "cpu", dtype: str = "fp32") -> dict:
-    """Cache bytes, prefill time and peak memory of one (variant, context) pair; run it in its own process.
-
-    On CUDA: the allocator's memory, as the level before a phase plus that phase's peak above it (`_device.cuda_peak`).
-    """
-    cuda = device.startswith("cuda")
-    hwm_reset = True if cuda else _reset_peak_rss()
-    torch.set_num_threads(threads)
-    model = build_model(variant, shape, seed, device)
-    model_rss = _cuda_mb(device) if cuda else _rss_mb()
-    with torch.no_grad():
-        with _cuda_peak(device) as prefill:
-            cache, first, prefill_s = _prefill(model, _prompt(shape, context, seed).to(device), device, dtype)
-        nbytes = cache_nbytes(cache)
-        peak_rss = model_rss + prefill["peak_mib"] if cuda else _peak_rss_mb()
-        _release_free_memory()
-        hwm_reset = (cuda or _reset_peak_rss()) and hwm_reset
-        decode_start = _cuda_mb(device) if cuda else 0.0
-        with _cuda_peak(device) as decode:
-            _decode(model, cache, first, new_tokens, device, dtype)
-        decode_peak_rss = decode_start + decode["peak_mib"] if cuda else _peak_rss_mb()
-    return {
-        "prefill_s": prefill_s,
-        "cache_bytes": nbytes,
-        "model_rss_mb": model_rss,
-        "peak_rss_mb": max(peak_rss, decode_peak_rss),
-        "decode_peak_rss_mb": decode_peak_rss,
-        "rss_high_water_reset": hwm_reset,
-    }
-
-
-def measure_latency(
-    contexts: list[int], shape: Shape, new_tokens: int, repeats: int, threads: int, seed: int, device: str = "cpu",
-    dtype: str = "fp32",
-) -> dict[tuple[str, int], list[float]]:
-    """Per-token decode seconds of every (variant, context) pair, `repeats` samples each.
-
-    All pairs live in one process and are timed round-robin, in a new shuffled order every round: a burst
-    of load from other processes then spoils one sample of a few pairs (which the median discards) instead
-    of every sample of whichever pair happened to be running.
-    """
-    torch.set_num_threads(threads)
-    models = {variant: build_model(variant, shape, seed, device) for variant in VARIANTS}
-    prefilled = {}
-    with torch.no_grad():
-        for context in contexts:
-            prompt = _prompt(shape, context, seed).to(device)
-            for variant, model in models.items():
-                cache, first, _ = _prefill(model, prompt, device, dtype)
-                prefilled[variant, context] = (cache, first)
-        samples: dict[tuple[str, int], list[float]] = {pair: [] for pair in prefilled}
-        order = list(prefilled)
-        for round_ in range(repeats + 1):  # round 0 warms up kernels and the allocator; not recorded
-            random.Random(seed + round_).shuffle(order)
-            for variant, context in order:
-                cache, first = prefilled[variant, context]
-                elapsed = _decode(models[variant], _branch(cache), first, new_tokens, device, dtype)
-                if round_:
-                    samples[variant, context].append(elapsed / new_tokens)
-        for (_variant, context), (cache, _) in prefilled.items():
-            if cache.get_seq_length() != context:
-                raise RuntimeError("decoding from a branch modified a prefilled cache; latencies would be wrong")
-    return samples
-
-
-def measure_compiled(
-    variant: str, context: int, shape: Shape, new_tokens: int, repeats: int, threads: int, seed: int, backend: str,
-    device: str = "cpu", dtype: str = "fp32",
-) -> dict:
-    """Per-token decode latency through ``torch.compile(model.forward, fullgraph=True)`` on a static cache."""
-    torch.set_num_threads(threads)
-    model = build_model(variant, shape, seed, device)
-    prompt = _prompt(shape, context, seed).to(device)
-    steps = 1 + new_tokens * repeats
-    cache = StaticCache(config=model.config, max_cache_len=context + steps)
-    forward = torch.compile(model.forward, fullgraph=True, backend=backend)
-    tokens = []
-    with torch.no_grad(), _device.autocast(device, dtype):
-        # Eager prefill, as generate() does with a compiled decode.
-        logits = model(prompt, **{cache_kwarg(): cache}, use_cache=True, logits_to_keep=1).logits
-        token = logits[:, -1].argmax(-1, keepdim=True)
-
-        def step(token: torch.Tensor) -> torch.Tensor:
-            position = torch.tensor([[context + len(tokens)]], device=device)
-            tokens.append(token)
-            out = forward(input_ids=token, **{cache_kwarg(): cache}, use_cache=True, position_ids=position)
-            return out.logits[:, -1].argmax(-1, keepdim=True)
-
-        _device.synchronize(device)  # each clock is read after the device has finished (CUDA runs asynchronously)
-        start = time.perf_counter()
-        token = step(token)  # traces and compiles
-        _device.synchronize(device)
-        compile_s = time.perf_counter() - start
-        samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            for _ in range(new_tokens):
-                token = step(token)
-            _device.synchronize(device)
-            samples.append((time.perf_counter() - start) / new_tokens)
-        tokens.append(token)
-        # The same greedy tokens from eager decoding on the default dynamic cache (first pass only: cheap).
-        check = 1 + new_tokens
-        cache, first, _ = _prefill(model, prompt, device, dtype)
-        eager = [first]
-        for _ in range(check - 1):
-            logits = model(eager[-1], **{cache_kwarg(): cache}, use_cache=True).logits
-            eager.append(logits[:, -1].argmax(-1, keepdim=True))
-    if not torch.equal(torch.cat(tokens[:check], 1), torch.cat(eager, 1)):
-        raise RuntimeError(f"{variant} at context {context}: compiled static-cache tokens differ from eager decoding")
-    return {
-        "variant": variant, "context": context, "backend": backend, "threads": threads, "new_tokens": new_tokens,
-        "repeats": repeats, "compile_s": compile_s, "compiled_ms": 1e3 * statistics.median(samples),
-        "compiled_ms_min": 1e3 * min(samples), "compiled_ms_max": 1e3 * max(samples), "tokens_match": True,
-    }
 
 
 def compiled_table(rows: list[dict], eager: list[dict]) -> str:
@@ -349,33 +110,6 @@ def compiled_table(rows: list[dict], eager: list[dict]) -> str:
             f"{measured if measured is not None else float('nan'):>9.2f} {row['compile_s']:>9.1f}"
         )
     return "\n".join(lines)
-
-
-def _child(conn, fn: Callable, args: tuple) -> None:
-    try:
-        conn.send(("ok", fn(*args)))
-    except BaseException:  # report any failure to the parent instead of dying silently
-        conn.send(("error", traceback.format_exc()))
-    finally:
-        conn.close()
-
-
-def run_isolated(fn: Callable, *args: Any) -> Any:
-    """Run `fn(*args)` in a forked child so that its peak memory is its own and nothing leaks between runs."""
-    ctx = multiprocessing.get_context("fork")
-    receiver, sender = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(sender, fn, args))
-    proc.start()
-    sender.close()
-    try:
-        status, payload = receiver.recv()
-    except EOFError:
-        proc.join()
-        raise RuntimeError(f"benchmark worker died with exit code {proc.exitcode} (out of memory?)") from None
-    proc.join()
-    if status != "ok":
-        raise RuntimeError(f"benchmark worker failed:\n{payload}")
-    return payload
 
 
 # ----------------------------------------------------------------------------------------- reporting
@@ -516,9 +250,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--quick", action="store_true", help="tiny 2-layer model and short contexts (for tests)")
     parser.add_argument("--replot", action="store_true", help="only redraw table and plot from the CSV in --out-dir")
-    _device.add_arguments(parser)
+    harness.add_device_arguments(parser)
     args = parser.parse_args(argv)
-    args.device, args.dtype = _device.resolve(args)
+    args.device, args.dtype = harness.resolve_device(args)
     default_contexts = "16,32,64" if args.quick else "128,256,512,1024,2048,4096"
     args.contexts = sorted({int(c) for c in (args.contexts or default_contexts).split(",")})
     compiled = ("16" if args.quick else "128,512,2048") if args.compiled_contexts is None else args.compiled_contexts
@@ -559,8 +293,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
                 "n_head": shape.n_head, "new_tokens": args.new_tokens, "repeats": args.repeats, "threads": args.threads,
                 "device": args.device, "dtype": args.dtype,
             }
-            row.update(run_isolated(measure_memory, variant, context, shape, args.new_tokens, args.threads, args.seed,
-                                    args.device, args.dtype))
+            row.update(harness.in_child(measure_memory, variant, context, shape, args.new_tokens, args.threads,
+                                        args.seed, args.device, args.dtype))
             rows.append(row)
             print(
                 f"  {variant:<18} context {context:>5}: cache {row['cache_bytes'] / 2**20:9.3f} MiB, decode peak RSS "
@@ -569,7 +303,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
             )
     print(f"latency: one worker, {args.repeats} rounds over all pairs", flush=True)
     load_before = os.getloadavg()[0]
-    samples = run_isolated(
+    samples = harness.in_child(
         measure_latency, args.contexts, shape, args.new_tokens, args.repeats, args.threads, args.seed, args.device,
         args.dtype,
     )
@@ -589,7 +323,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
         print(f"compiled decoding ({args.compile_backend}, static cache): one worker per (context, variant)",
               flush=True)
         compiled = [
-            run_isolated(measure_compiled, variant, context, shape, args.new_tokens, args.repeats, args.threads,
+            harness.in_child(measure_compiled, variant, context, shape, args.new_tokens, args.repeats, args.threads,
                          args.seed, args.compile_backend, args.device, args.dtype)
             for context in args.compiled_contexts for variant in COMPILED_VARIANTS
         ]

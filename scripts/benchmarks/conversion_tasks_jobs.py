@@ -1,0 +1,210 @@
+"""The jobs of the conversion-tasks benchmark, each in a fresh process: fine-tuning the teacher, the plain and the
+recipe conversion at K layers, the layer ranking and the frozen-embedding runs. The task and the table:
+conversion_tasks.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from . import bbc_news, minilm
+
+SENSITIVITY_JSON = "conversion_sensitivity.json"
+
+
+def setup():
+    torch.set_num_threads(1)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def primal_spec(args, layers):
+    from hf_primal import PrimalAttentionConfig
+
+    return PrimalAttentionConfig(layers=list(layers), low_rank=args.low_rank, rank_multi=args.rank_multi, eta=args.eta)
+
+
+def task_data(args):
+    tasks, unlabeled = bbc_news.load_tasks(args.labels, seed=0, test_size=1075 if not args.quick else 60)
+    if args.quick:
+        for task in tasks.values():
+            task.test = task.test[:60]
+    return tasks, unlabeled[: args.unlabeled]
+
+
+def tokenised(tokenizer, rows, max_length, labels=True):
+    from datasets import Dataset
+
+    texts = [r[0] for r in rows] if labels else list(rows)
+    enc = tokenizer(texts, truncation=True, max_length=max_length)
+    return Dataset.from_dict({**enc, **({"labels": [r[1] for r in rows]} if labels else {})})
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, rows, max_length) -> dict:
+    from sklearn.metrics import f1_score
+
+    model.eval()
+    predicted = []
+    for i in range(0, len(rows), 128):
+        batch = tokenizer([r[0] for r in rows[i:i + 128]], padding=True, truncation=True, max_length=max_length,
+                          return_tensors="pt")
+        predicted += model(**batch).logits.argmax(-1).tolist()
+    truth = [r[1] for r in rows]
+    return {"accuracy": sum(p == t for p, t in zip(predicted, truth)) / len(truth),
+            "macro_f1": float(f1_score(truth, predicted, average="macro"))}
+
+
+def train_model(model, tokenizer, train_rows, args, seed, workdir, *, teacher=None, unlabeled=None, steps=None):
+    from transformers import DataCollatorWithPadding, Trainer, TrainingArguments
+
+    from hf_primal import PrimalTrainer
+
+    training = TrainingArguments(
+        output_dir=workdir, per_device_train_batch_size=args.batch_size, learning_rate=args.learning_rate,
+        num_train_epochs=args.epochs, max_steps=steps or -1, warmup_steps=0.06, lr_scheduler_type="linear",
+        save_strategy="no", report_to=[], seed=seed, use_cpu=True, disable_tqdm=True, logging_steps=10**6)
+    kwargs = {"model": model, "args": training, "train_dataset": tokenised(tokenizer, train_rows, args.max_length),
+              "data_collator": DataCollatorWithPadding(tokenizer)}
+    primal = getattr(model.config, "primal_attention", None) is not None
+    if teacher is not None:
+        kwargs.update(teacher=teacher, distill_target="logits",
+                      distill_dataset=tokenised(tokenizer, unlabeled, args.max_length, labels=False))
+    (PrimalTrainer if primal else Trainer)(**kwargs).train()
+    return model
+
+
+def job_teacher(args, task_name, seed):
+    from transformers import BertForSequenceClassification
+
+    from hf_primal.tools.data import minilm_path
+
+    tasks, _ = task_data(args)
+    tokenizer, task = minilm.tokenizer(), tasks[task_name]
+    started = time.time()
+    torch.manual_seed(seed)
+    model = BertForSequenceClassification.from_pretrained(minilm_path(), num_labels=len(bbc_news.TOPICS))
+    with tempfile.TemporaryDirectory() as scratch:
+        train_model(model, tokenizer, task.train, args, seed, scratch)
+    model.save_pretrained(teacher_dir(args, task_name, seed))
+    return [{"task": task_name, "variant": "stock", "selection": "", "k": 0, "layers": "", "seed": seed,
+             "seconds": round(time.time() - started, 1), **evaluate(model, tokenizer, task.test, args.max_length)}]
+
+
+def job_plain(args, task_name, seed):
+    from transformers import BertForSequenceClassification
+
+    from hf_primal.tools.data import minilm_path
+
+    tasks, _ = task_data(args)
+    tokenizer, task = minilm.tokenizer(), tasks[task_name]
+    started = time.time()
+    torch.manual_seed(seed)
+    model = BertForSequenceClassification.from_pretrained(minilm_path(), num_labels=len(bbc_news.TOPICS),
+                                                          primal_attention=primal_spec(args, [-1]))
+    with tempfile.TemporaryDirectory() as scratch:
+        train_model(model, tokenizer, task.train, args, seed, scratch)
+    return [{"task": task_name, "variant": "plain", "selection": "last", "k": 1, "layers": "5", "seed": seed,
+             "seconds": round(time.time() - started, 1), **evaluate(model, tokenizer, task.test, args.max_length)}]
+
+
+def job_sensitivity(args):
+    from transformers import BertModel
+
+    from hf_primal import layer_sensitivity, text_batches
+    from hf_primal.tools.data import minilm_path
+
+    _, unlabeled = task_data(args)
+    batches = text_batches(minilm.tokenizer(), unlabeled[:1600], 32, args.max_length)  # 40 to train on, 10 held out
+    sensitivity = layer_sensitivity(BertModel.from_pretrained(minilm_path()), batches, primal_spec(args, [-1]),
+                                    steps=args.sensitivity_steps, progress=False)
+    Path(args.out_dir, SENSITIVITY_JSON).write_text(json.dumps(sensitivity.to_dict(), indent=1))
+    return []
+
+
+def job_recipe(args, task_name, seed, selection, k):
+    from transformers import BertForSequenceClassification
+
+    from hf_primal import convert
+
+    tasks, unlabeled = task_data(args)
+    tokenizer, task = minilm.tokenizer(), tasks[task_name]
+    layers = chosen_layers(args, selection, k)
+    teacher = BertForSequenceClassification.from_pretrained(teacher_dir(args, task_name, seed)).eval()
+    started = time.time()
+    torch.manual_seed(seed)
+    student = convert(copy.deepcopy(teacher), primal_spec(args, layers), progress=False)
+    with tempfile.TemporaryDirectory() as scratch:
+        train_model(student, tokenizer, task.train, args, seed, scratch, teacher=teacher, unlabeled=unlabeled,
+               steps=args.recipe_steps)
+    return [{"task": task_name, "variant": "recipe", "selection": selection, "k": k,
+             "layers": " ".join(map(str, layers)), "seed": seed, "seconds": round(time.time() - started, 1),
+             **evaluate(student, tokenizer, task.test, args.max_length)}]
+
+
+def job_embeddings(args, selection, k):
+    from transformers import BertModel
+
+    from hf_primal import convert, knn_accuracy, neighbour_overlap, text_batches
+    from hf_primal.tools.data import minilm_path
+
+    tasks, unlabeled = task_data(args)
+    tokenizer = minilm.tokenizer()
+    index_rows, _ = bbc_news.load_tasks(args.knn_index + args.labels, seed=0)
+    index_rows = index_rows["sentences"].train[: args.knn_index]
+    queries = tasks["sentences"].test
+    original = BertModel.from_pretrained(minilm_path())
+    ref_index, ref_queries = (embed(original, tokenizer, [r[0] for r in rows], args.max_length)
+                              for rows in (index_rows, queries))
+    row = {"selection": selection, "k": k, "layers": "", "seconds": 0.0}
+    model = original
+    if k > 0:
+        layers = chosen_layers(args, selection, k)
+        started = time.time()
+        torch.manual_seed(0)
+        # 2,400 texts: 60 batches to train on and 15 held out, measured 12 times along the way.
+        batches = text_batches(tokenizer, unlabeled[:2400], 32, args.max_length)
+        model = convert(copy.deepcopy(original), primal_spec(args, layers), batches, method="distill",
+                        steps=args.embed_steps, progress=False)
+        row.update(layers=" ".join(map(str, layers)), seconds=round(time.time() - started, 1))
+    index, found = (embed(model, tokenizer, [r[0] for r in rows], args.max_length) for rows in (index_rows, queries))
+    labels = ([r[1] for r in index_rows], [r[1] for r in queries])
+    row.update(cosine=float(torch.nn.functional.cosine_similarity(found, ref_queries).mean()),
+               knn_accuracy=knn_accuracy(index, labels[0], found, labels[1], k=10),
+               neighbour_overlap=neighbour_overlap(ref_index, ref_queries, index, found, k=10))
+    return [row]
+
+
+def embed(model, tokenizer, texts, max_length) -> torch.Tensor:
+    """Mean-pooled final hidden states in the order of `texts` (the conversion benchmark's, in batches of 128)."""
+
+    return minilm.embeddings(model, tokenizer, texts, max_length, batch_size=128)
+
+
+def chosen_layers(args, selection, k, num_layers=6) -> list[int]:
+    if selection == "last":
+        return list(range(num_layers - k, num_layers))
+    ranking = json.loads(Path(args.out_dir, SENSITIVITY_JSON).read_text())["ranking"]
+    return sorted(ranking[:k])
+
+
+def teacher_dir(args, task_name, seed) -> str:
+    # Named by everything that shapes the teacher, so a run with other settings never reuses it.
+    settings = (f"labels{args.labels}_epochs{args.epochs:g}_lr{args.learning_rate:g}_bs{args.batch_size}_"
+                f"len{args.max_length}")
+    return os.path.join(args.work_dir, f"teacher_{task_name}_{seed}_{settings}")
+
+
+def run_job(job):
+    setup()
+    name, args, params = job
+    return name, params, globals()[f"job_{name}"](args, *params)
