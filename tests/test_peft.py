@@ -14,17 +14,22 @@ CASES = {
         lambda: BertForSequenceClassification(bert_config(primal_attention={"layers": [-1], "low_rank": 4})), "SEQ_CLS"
     ),
     "gpt2": (lambda: GPT2LMHeadModel(gpt2_config(primal_attention={"layers": "all", "low_rank": 4})), "CAUSAL_LM"),
+    # KEP-SVGP: the posterior's variational parameters train and save with the adapter like the primal ones.
+    "bert-kep": (lambda: BertForSequenceClassification(bert_config(primal_attention={
+        "layers": [-1], "low_rank": 4, "variant": "kep_svgp", "eta_kl": 1e-3})), "SEQ_CLS"),
 }
+CORE = {"bert": {"We", "Wr", "Lambda", "weight", "bias"}, "gpt2": {"We", "Wr", "Lambda", "weight", "bias"},
+        "bert-kep": {"We", "Wr", "theta", "m_u", "tril", "log_diag", "weight", "bias"}}
 
 
 def _data(arch):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1, 120, (16, 8), generator=g)
-    labels = (ids[:, 0] > 60).long() if arch == "bert" else ids
+    labels = (ids[:, 0] > 60).long() if arch.startswith("bert") else ids
     return Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist()}), ids
 
 
-@pytest.mark.parametrize("arch", ["bert", "gpt2"])
+@pytest.mark.parametrize("arch", ["bert", "gpt2", "bert-kep"])
 def test_lora_train_save_load_merge(tmp_path, arch):
     make, task = CASES[arch]
     torch.manual_seed(0)
@@ -33,7 +38,7 @@ def test_lora_train_save_load_merge(tmp_path, arch):
     model = get_peft_model(base, hf_primal.lora_config(base, task_type=task))
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert any("lora_A" in n for n in trainable)
-    assert {n.rsplit(".", 1)[-1] for n in trainable if ".primal." in n} >= {"We", "Wr", "Lambda", "weight", "bias"}
+    assert {n.rsplit(".", 1)[-1] for n in trainable if ".primal." in n} >= CORE[arch]
     assert not any(".query.base_layer" in n or ".c_attn.base_layer" in n for n in trainable)
 
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -43,6 +48,7 @@ def test_lora_train_save_load_merge(tmp_path, arch):
     trainer = hf_primal.PrimalTrainer(model=model, args=args, train_dataset=data)
     trainer.train()
     assert any("ksvd_loss" in h for h in trainer.state.log_history)
+    assert any("kl_loss" in h for h in trainer.state.log_history) == (arch == "bert-kep")
     changed = {n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(before[n], p)}
     assert any("lora_B" in n for n in changed) and any(n.endswith("primal.modules_to_save.default.We") for n in changed)
 

@@ -248,10 +248,11 @@ def _check_equivalent(a, b):
         assert a == b or (a is None and b is None)
 
 
-@pytest.mark.parametrize("arch", ["bert", "gpt2", "vit"])
+@pytest.mark.parametrize("arch", ["bert", "gpt2", "vit", "bert-kep"])
 def test_model_outputs_equivalence(arch):
-    if arch == "bert":
-        model = BertForSequenceClassification(bert_config(primal_attention={"layers": [-1], "low_rank": 4}))
+    if arch.startswith("bert"):
+        variant = {"variant": "kep_svgp"} if arch == "bert-kep" else {}
+        model = BertForSequenceClassification(bert_config(primal_attention={"layers": [-1], "low_rank": 4, **variant}))
         ids, mask = _text()
         inputs = {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([0, 1])}
     elif arch == "gpt2":
@@ -363,10 +364,10 @@ def test_gpt2_padding_matches_padding_free_with_position_ids(attn, layers):
     assert (leaking - padded).abs().max() > 1e-2  # one sequence of 15 tokens would differ: the check can fail
 
 
-@pytest.mark.parametrize("attn", ["eager", "sdpa"])
-def test_bert_padding_matches_padding_free_with_position_ids(attn):
+@pytest.mark.parametrize("attn, variant", [("eager", "primal"), ("sdpa", "primal"), ("sdpa", "kep_svgp")])
+def test_bert_padding_matches_padding_free_with_position_ids(attn, variant):
     seqs = _sequences([6, 2, 9], seed=1)
-    model = BertModel(bert_config(primal_attention=ALL))
+    model = BertModel(bert_config(primal_attention={**ALL, "variant": variant}))
     model.set_attn_implementation(attn)
     model.eval()
     ids, mask = _padded(seqs)

@@ -96,6 +96,12 @@ def _conversion_section(report: dict[str, Any]) -> list[str]:
         lines += _layer_selection_lines(selection)
     if report.get("verdict"):
         lines += ["", f"Verdict: {report['verdict']}."]
+    training = report.get("training")
+    if training:
+        kept = (f"kept step {training['best_step']} of {training['steps_run']} (best eval {training['metric']}: "
+                f"{training['best_value']:.4f})" if training.get("best_step") else
+                f"{training['steps_run']} steps, the last one kept")
+        lines.append(f"- training with PrimalTrainer and its teacher: {kept}")
     for key, value in report.get("metrics", {}).items():
         lines.append(f"- {key}: {value}")
     return lines

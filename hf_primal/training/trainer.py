@@ -19,7 +19,8 @@ from .calibration import input_columns
 from .loss import REDUCTIONS, clear_ksvd_terms, collect_ksvd_terms, kl_from_model, ksvd_from_terms, primal_model
 from .resume import PrimalStateCallback, checkpoint_folder, restore_state
 from .running_losses import LossSums
-from .teacher_loss import check_compatible, resolve_target, student_teacher_loss
+from .teacher_agreement import AgreementSums, StoppingRecord, top1_agreement
+from .teacher_loss import check_nonnegative, model_inputs, prepare_teacher, resolve_target, student_teacher_loss
 
 # Chosen by measurement: fine-tuning all-MiniLM-L6-v2 with its last layer primal on BBC News sentences (1 epoch,
 # lr 1e-4) gave 81.49% accuracy with the primal parameters at 1x the learning rate and 81.40% at 10x, so the default
@@ -114,15 +115,10 @@ def _refuse_reentrant_checkpointing(args: Any) -> None:
 
 
 def _checked_primal_learning_rate(primal_learning_rate: Optional[float], learning_rate: float) -> float:
-    """`primal_learning_rate` if given (a number > 0), else ``PRIMAL_LR_MULTIPLIER * learning_rate``."""
-    if primal_learning_rate is not None and not (
-        isinstance(primal_learning_rate, (int, float)) and not isinstance(primal_learning_rate, bool)
-        and 0 < primal_learning_rate < float("inf")
-    ):
-        raise ValueError(
-            f"PrimalTrainer: primal_learning_rate={primal_learning_rate!r} is not allowed: it must be a number > 0."
-        )
-    return float(primal_learning_rate) if primal_learning_rate is not None else PRIMAL_LR_MULTIPLIER * learning_rate
+    """`primal_learning_rate` if given (a finite number > 0), else ``PRIMAL_LR_MULTIPLIER * learning_rate``."""
+    if primal_learning_rate is None:
+        return PRIMAL_LR_MULTIPLIER * learning_rate
+    return check_nonnegative("PrimalTrainer: primal_learning_rate", primal_learning_rate, positive=True)
 
 
 class PrimalTrainer(Trainer):
@@ -152,7 +148,10 @@ class PrimalTrainer(Trainer):
 
     Logs ``ksvd_loss``, ``task_loss`` (and ``distill_loss`` with a teacher, ``kl_loss`` with KEP-SVGP layers) at every
     logging step (so they reach ``state.log_history``, the progress bar and reporters such as TensorBoard) and
-    ``eval_ksvd_loss`` at evaluation.
+    ``eval_ksvd_loss`` at evaluation; with a teacher also ``eval_distill_loss`` and ``eval_teacher_agreement``
+    (`teacher_agreement`), so that ``metric_for_best_model="teacher_agreement"``, ``load_best_model_at_end=True`` and
+    ``EarlyStoppingCallback`` stop a conversion when the student stops getting closer to its teacher on held-out
+    (even unlabeled) inputs; the kept step goes into ``model.primal_conversion_report["training"]`` and the card.
     """
 
     def __init__(
@@ -192,6 +191,9 @@ class PrimalTrainer(Trainer):
         self.primal_learning_rate = _checked_primal_learning_rate(primal_learning_rate, self.args.learning_rate)
         self._loss_sums = LossSums()
         self._eval_ksvd: list[torch.Tensor] = []
+        self._agreement = AgreementSums()
+        if teacher is not None:
+            self.add_callback(StoppingRecord())
 
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
         restore_state(self, checkpoint_folder(resume_from_checkpoint, self.args.output_dir))
@@ -206,27 +208,9 @@ class PrimalTrainer(Trainer):
             self.distill_weight = 0.0
             return
         weight = 1.0 if weight is None else weight
-        for name, value, positive in (("distill_weight", weight, False), ("distill_temperature", temperature, True)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 <= value < float("inf")) or (
-                positive and value == 0
-            ):
-                allowed = "> 0" if positive else ">= 0"
-                raise ValueError(
-                    f"PrimalTrainer: {name}={value!r} is not allowed: it must be a finite number {allowed}."
-                )
-        self.distill_weight = float(weight)
-        self.distill_temperature = float(temperature)
-        self.distill_target = resolve_target(self.model, target)
-        check_compatible(self.model, teacher, self.distill_target)
-        if teacher is self.model or any(p is q for p in teacher.parameters() for q in self.model.parameters()):
-            raise ValueError(
-                "PrimalTrainer: the teacher shares parameters with the model; pass a separate (frozen) copy."
-            )
-        # Not a submodule of the model: Trainer neither optimises nor saves it.
-        teacher.to(self.args.device)
-        teacher.eval()
-        for p in teacher.parameters():
-            p.requires_grad_(False)
+        self.distill_weight = check_nonnegative("PrimalTrainer: distill_weight", weight)
+        self.distill_temperature = check_nonnegative("PrimalTrainer: distill_temperature", temperature, positive=True)
+        self.distill_target = prepare_teacher(self.model, teacher, target, self.args.device)
 
     def create_optimizer(self, model=None):
         """Trainer's optimizer with one more parameter group: the primal parameters at `primal_learning_rate`."""
@@ -365,10 +349,27 @@ class PrimalTrainer(Trainer):
         if terms and all(t is not None for t in terms):
             self._eval_ksvd.append(ksvd_from_terms(terms, self.ksvd_reduction).detach().float())
             clear_ksvd_terms(model)
+        if self.teacher is not None:
+            self._compare_with_teacher(model, inputs)
         return result
 
+    @torch.no_grad()
+    def _compare_with_teacher(self, model, inputs) -> None:
+        """The held-out distillation term and top-1 agreement of one evaluation batch (`teacher_agreement`)."""
+        inputs = model_inputs(inputs, self.args.device)
+        student = model(**inputs, **self._student_extra(model))
+        clear_ksvd_terms(model)
+        self.teacher.eval()
+        teacher = self.teacher(**inputs, **self._student_extra(self.teacher))
+        distill = student_teacher_loss(student, teacher, inputs.get("attention_mask"), self.distill_target,
+                                       self.distill_temperature)
+        s_logits, t_logits = getattr(student, "logits", None), getattr(teacher, "logits", None)
+        logits = self.distill_target == "logits" and s_logits is not None and t_logits is not None
+        self._agreement.add(distill, top1_agreement(s_logits, t_logits, inputs.get("attention_mask")) if logits
+                            else None)
+
     def evaluation_loop(self, *args, **kwargs):
-        self._eval_ksvd = []
+        self._eval_ksvd, _ = [], self._agreement.reset()
         output = super().evaluation_loop(*args, **kwargs)
         # The caller's metric prefix, however it was passed (compat checks the parameter's name).
         bound = inspect.signature(Trainer.evaluation_loop).bind_partial(self, *args, **kwargs).arguments
@@ -377,7 +378,9 @@ class PrimalTrainer(Trainer):
         value = self.accelerator.gather(local.to(self.args.device).reshape(1)).nanmean().item()
         if value == value:  # not NaN: at least one process saw primal layers run
             output.metrics[f"{prefix}_ksvd_loss"] = value
-        self._eval_ksvd = []
+        if self.teacher is not None:
+            output.metrics.update(self._agreement.metrics(self.accelerator.gather, self.args.device, prefix))
+        self._eval_ksvd, _ = [], self._agreement.reset()
         return output
 
     # ------------------------------------------------------------------ logging
