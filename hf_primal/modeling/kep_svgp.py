@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kernel import NORM_EPS, _Packing, kernel_matrix, sampled_gram
-from .primal import KSVDTerms
+from .primal import KSVDTerms, init_functions
 from .sampling import sampled_weights
 
 COVARIANCES = ("reference", "consistent")
@@ -80,10 +80,8 @@ class KEPSVGPCore(nn.Module):
     @torch.no_grad()
     def reset_parameters(self, init: Any = None) -> None:
         """As `PrimalCore.reset_parameters`; the variational parameters start standard normal."""
-        if init is None:
-            if self.We.device.type == "meta":
-                return
-            init = nn.init
+        if (init := init_functions(init, self.We)) is None:
+            return
         init.orthogonal_(self.We)
         init.orthogonal_(self.Wr)
         init.uniform_(self.theta, 0.0, 1.0)

@@ -107,6 +107,11 @@ def _prefix_sums(
     return sum_q, sum_k, counts
 
 
+def init_functions(init: Any, probe: torch.Tensor) -> Any:
+    """`init` if given, else `torch.nn.init`; None (nothing to fill yet) for parameters on the meta device."""
+    return init if init is not None else (None if probe.device.type == "meta" else nn.init)
+
+
 class PrimalCore(nn.Module):
     """The parameters Primal-Attention adds to one attention layer, and its math.
 
@@ -139,12 +144,10 @@ class PrimalCore(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, init: Any = None) -> None:
-        """docs/method.md, "Initialisation". `init`: the module of init functions (default `torch.nn.init`; the
-        model hooks pass transformers' own, which skip tensors a checkpoint already filled)."""
-        if init is None:
-            if self.We.device.type == "meta":
-                return
-            init = nn.init
+        """docs/method.md, "Initialisation"; `init`: the init functions (the model hooks pass transformers', which
+        skip tensors a checkpoint already filled)."""
+        if (init := init_functions(init, self.We)) is None:
+            return
         # Orthogonal over the whole (H, rows, s) tensor, as the reference code does: torch flattens the
         # trailing dims, so the H head matrices are mutually orthonormal vectors of Frobenius norm 1.
         init.orthogonal_(self.We)

@@ -300,15 +300,9 @@ def report(args) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     # The fine-tuned stock models (teachers), reused when a run is resumed; never committed.
     args.work_dir = args.work_dir or os.path.join(tempfile.gettempdir(), "hf_primal_conversion_teachers")
-    if args.only in (None, "accuracy"):
-        run_accuracy(args)
-    if args.only in (None, "timing"):
-        run_timing(args)
-    report(args)
-    return 0
+    return harness.run_phases(args, {"accuracy": run_accuracy, "timing": run_timing}, report)
 
 
 if __name__ == "__main__":

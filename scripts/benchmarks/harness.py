@@ -97,6 +97,23 @@ def time_round_robin(steps: dict[str, Callable[[], None]], repeats: int, budget_
     return {name: (statistics.median(v) * 1e3, min(v) * 1e3, len(v)) for name, v in samples.items()}
 
 
+def backward_step(module: torch.nn.Module, forward: Callable[[], torch.Tensor], grad: torch.Tensor,
+                  leaves: tuple[torch.Tensor, ...], device: str, dtype: str) -> Callable[[], None]:
+    """A timed training step: clear the gradients of `module` and of the input `leaves`, run `forward` under
+    autocast, back-propagate `grad` into its output, and synchronise (so a wall clock read after it is right)."""
+
+    def step() -> None:
+        module.zero_grad(set_to_none=True)
+        for leaf in leaves:
+            leaf.grad = None
+        with autocast(device, dtype):
+            out = forward()
+        out.backward(grad.to(out.dtype))
+        synchronize(device)
+
+    return step
+
+
 # ---------------------------------------------------------------------------------------------- memory
 @contextlib.contextmanager
 def cuda_peak(device: str) -> Iterator[dict]:
@@ -161,8 +178,22 @@ def rss_peak() -> Iterator[dict]:
 
 
 def peak_memory(device: str) -> contextlib.AbstractContextManager[dict]:
-    """`cuda_peak` on CUDA, `rss_peak` on CPU."""
+    """`cuda_peak` on CUDA (the resident set of a CUDA process says nothing about tensors), `rss_peak` on CPU."""
     return cuda_peak(device) if device.startswith("cuda") else rss_peak()
+
+
+def start_worker(threads: int, device: str) -> None:
+    """A measuring worker's first lines: its thread count and, on CPU, `quiet_allocator`."""
+    torch.set_num_threads(threads)
+    if not device.startswith("cuda"):
+        quiet_allocator()
+
+
+def step_peak_mib(step: Callable[[], Any], device: str) -> float:
+    """The peak memory of one call of `step`, above the level before it (`peak_memory`)."""
+    with peak_memory(device) as peak:
+        step()
+    return peak["peak_mib"]
 
 
 # ---------------------------------------------------------------------------------------------- processes
@@ -250,6 +281,29 @@ def fmt(value: Any, digits: int = 1) -> str:
     if isinstance(value, float):
         return f"{value:.{digits}f}"
     return str(value)
+
+
+def add_timing_arguments(parser: argparse.ArgumentParser, budget_s: float, eager_limit_gib: float) -> None:
+    """The options of the round-robin timing benchmarks (`layers`, `peers`)."""
+    parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads per worker (default 2)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed steps per configuration at most")
+    parser.add_argument("--budget-s", type=float, default=budget_s,
+                        help="fewer repeats for configurations whose steps take longer than this / repeats")
+    parser.add_argument("--eager-limit-gib", type=float, default=eager_limit_gib,
+                        help="skip eager attention where it would need more")
+    add_device_arguments(parser)
+
+
+def run_phases(args: argparse.Namespace, phases: dict[str, Callable[[argparse.Namespace], Any]],
+               report: Callable[[argparse.Namespace], Any]) -> int:
+    """A benchmark's main: the output folder, each phase `--only` selects (all by default), then the report."""
+    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+    for name, phase in phases.items():
+        if args.only in (None, name):
+            phase(args)
+    report(args)
+    return 0
 
 
 def load_average() -> str:

@@ -252,18 +252,12 @@ def plot(path: Path, rows: list[dict]) -> None:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes and three repeats (for tests)")
-    parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads per worker (default 2)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed steps per configuration at most")
-    parser.add_argument("--budget-s", type=float, default=12.0,
-                        help="fewer repeats for configurations whose steps take longer than this / repeats")
+    harness.add_timing_arguments(parser, budget_s=12.0, eager_limit_gib=12.0)
     parser.add_argument("--max-n", type=int, default=8192, help="longest sequence (full run)")
     parser.add_argument("--bert-layers", type=int, default=2, help="layers of the BERT-base-width encoder")
-    parser.add_argument("--eager-limit-gib", type=float, default=12.0)
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory workers")
     parser.add_argument("--only", action="append", choices=["lra", "bert-base", "sublayer"],
                         help="run only these parts (repeatable); default: all")
-    harness.add_device_arguments(parser)
     args = parser.parse_args(argv)
     args.device, args.dtype = harness.resolve_device(args)
     settings = quick_settings(args) if args.quick else full_settings(args)

@@ -49,29 +49,11 @@ def sublayer_steps(shape: Shape, n: int, device: str = "cpu", dtype: str = "fp32
     steps: dict[str, Callable[[], None]] = {}
     layers = {}
     for variant in ("primal-all", "sdpa", "eager"):
-        layer = sublayer_module(shape, variant, n).to(device)
-        layers[variant] = layer
-
-        def attention_step(layer=layer) -> None:
-            layer.zero_grad(set_to_none=True)
-            x.grad = None
-            with harness.autocast(device, dtype):
-                out = layer.attention(x)[0]
-            out.backward(grad.to(out.dtype))
-            harness.synchronize(device)
-
-        steps[f"attention {variant}"] = attention_step
+        layer = layers[variant] = sublayer_module(shape, variant, n).to(device)
+        steps[f"attention {variant}"] = harness.backward_step(layer, lambda layer=layer: layer.attention(x)[0], grad,
+                                                              (x,), device, dtype)
     primal = layers["primal-all"]
-
-    def layer_step() -> None:
-        primal.zero_grad(set_to_none=True)
-        x.grad = None
-        with harness.autocast(device, dtype):
-            out = primal(x)
-        out.backward(grad.to(out.dtype))
-        harness.synchronize(device)
-
-    steps["layer primal-all"] = layer_step
+    steps["layer primal-all"] = harness.backward_step(primal, lambda: primal(x), grad, (x,), device, dtype)
     attn = primal.attention.self
     head_dim = shape.hidden // shape.heads
     split = (shape.batch, n, shape.heads, head_dim)
@@ -81,23 +63,14 @@ def sublayer_steps(shape: Shape, n: int, device: str = "cpu", dtype: str = "fp32
         k = attn.key(x).view(split).transpose(1, 2).requires_grad_()
     x_in = x.detach().requires_grad_()
 
-    def middle_step() -> None:
-        attn.zero_grad(set_to_none=True)
-        q.grad = k.grad = x_in.grad = None
-        with harness.autocast(device, dtype):
-            out = run_primal(attn, q, k, x_in, None)[0]
-        out.backward(grad.to(out.dtype))
-        harness.synchronize(device)
-
-    steps["middle primal-all"] = middle_step
+    steps["middle primal-all"] = harness.backward_step(attn, lambda: run_primal(attn, q, k, x_in, None)[0], grad,
+                                                       (q, k, x_in), device, dtype)
     return steps
 
 
 def memory_job(settings: Settings, section: str, variant: str, n: int) -> dict[str, Any]:
-    torch.set_num_threads(settings.threads)
     device, dtype = settings.device, settings.dtype
-    if not device.startswith("cuda"):
-        harness.quiet_allocator()
+    harness.start_worker(settings.threads, device)
     shape = settings.sections[section]
     model, ids, labels = build(shape, variant, n, device=device)
     # A short warm-up step first: lazy one-time allocations (kernel libraries, autograd engine) are not the
@@ -105,10 +78,7 @@ def memory_job(settings: Settings, section: str, variant: str, n: int) -> dict[s
     make_step(model, ids[:, : min(n, 128)], labels, "train", device, dtype)()
     step = make_step(model, ids, labels, "train", device, dtype)
     model.zero_grad(set_to_none=True)
-    # On CUDA the allocator's high-water mark (the resident set of a CUDA process says nothing about tensors).
-    with harness.peak_memory(device) as peak:
-        step()
-    return {"peak_mib": peak["peak_mib"]}
+    return {"peak_mib": harness.step_peak_mib(step, device)}
 
 
 def timing_job(settings: Settings, section: str) -> list[dict[str, Any]]:

@@ -326,16 +326,10 @@ def run_timing(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     print(f"long documents: N = {args.lengths}, seeds {args.seeds} (others {args.long_seeds}), {args.epochs:g} epochs, "
           f"{args.workers} workers x {args.threads} threads on {args.device} ({args.dtype}); load average "
           f"{harness.load_average()}", flush=True)
-    if args.only in (None, "train"):
-        run_training(args)
-    if args.only in (None, "timing"):
-        run_timing(args)
-    report(args)
-    return 0
+    return harness.run_phases(args, {"train": run_training, "timing": run_timing}, report)
 
 
 if __name__ == "__main__":

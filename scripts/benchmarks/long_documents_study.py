@@ -277,13 +277,9 @@ def report(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     print(f"long-document study: grids {args.grid}, N = {args.length}, seeds {args.seeds}, {args.workers} workers; "
           f"load average {harness.load_average()}", flush=True)
-    if args.only in (None, "train"):
-        run(args)
-    report(args)
-    return 0
+    return harness.run_phases(args, {"train": run}, report)
 
 
 if __name__ == "__main__":

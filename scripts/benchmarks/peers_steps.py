@@ -132,14 +132,11 @@ def _inputs(width: Width, n: int, device: str = "cpu") -> tuple[torch.Tensor, to
 def make_steps(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, device: str = "cpu",
                dtype: str = "fp32") -> dict[str, Callable[[], None]]:
     """Training and inference step; each synchronises at its end, so that a wall clock read after it is right."""
+    backward = harness.backward_step(module, lambda: module(x), grad, (x,), device, dtype)
+
     def train() -> None:
         module.train()
-        module.zero_grad(set_to_none=True)
-        x.grad = None
-        with harness.autocast(device, dtype):
-            out = module(x)
-        out.backward(grad.to(out.dtype))
-        harness.synchronize(device)
+        backward()
 
     def infer() -> None:
         module.eval()
@@ -192,10 +189,8 @@ def peers_timing_job(opts: Options, width: Width) -> list[dict[str, Any]]:
 
 
 def peers_memory_job(opts: Options, width: Width, variant: str, n: int) -> dict[str, float]:
-    torch.set_num_threads(opts.threads)
     device, dtype = opts.device, opts.dtype
-    if not device.startswith("cuda"):
-        harness.quiet_allocator()
+    harness.start_worker(opts.threads, device)
     module = sublayer(width, variant, n, device)
     x, grad = _inputs(width, n, device)
     if variant != "linformer":  # warm-up (Linformer takes exactly N tokens)
@@ -203,10 +198,7 @@ def peers_memory_job(opts: Options, width: Width, variant: str, n: int) -> dict[
         make_steps(module, x[:, :m].detach().requires_grad_(), grad[:, :m], device, dtype)["train"]()
     step = make_steps(module, x, grad, device, dtype)["train"]
     module.zero_grad(set_to_none=True)
-    # On CUDA the allocator's high-water mark (the resident set of a CUDA process says nothing about tensors).
-    with harness.peak_memory(device) as peak:
-        step()
-    return {"peak_mib": peak["peak_mib"]}
+    return {"peak_mib": harness.step_peak_mib(step, device)}
 
 
 def short_timing_job(opts: Options) -> list[dict[str, Any]]:

@@ -215,3 +215,18 @@ def train_and_evaluate(
         printable = {k: v if not isinstance(v, float) or math.isfinite(v) else str(v) for k, v in metrics.items()}
         print("final metrics: " + json.dumps(printable, sort_keys=True))
     return metrics
+
+
+def accuracy_metrics() -> Callable[[Any], dict[str, float]]:
+    """`compute_metrics` for a classifier: accuracy of the arg-max class (`evaluate`'s metric, offline)."""
+    import numpy as np
+
+    from hf_primal.tools.metrics import load_metric
+
+    accuracy = load_metric("accuracy")
+
+    def compute_metrics(prediction: Any) -> dict[str, float]:
+        logits = prediction.predictions[0] if isinstance(prediction.predictions, tuple) else prediction.predictions
+        return accuracy.compute(predictions=np.argmax(logits, axis=-1), references=prediction.label_ids)
+
+    return compute_metrics

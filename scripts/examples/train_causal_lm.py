@@ -23,20 +23,10 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any, Optional, Sequence
 
+import common  # the examples' shared pieces, beside this file
 import datasets
 import numpy as np
 import torch
-from common import (  # the examples' shared pieces, beside this file
-    ModelArguments,
-    adopt_tokenizer,
-    data_files,
-    load_config,
-    load_model,
-    load_tokenizer,
-    parse_args,
-    phases,
-    train_and_evaluate,
-)
 from transformers import AutoModelForCausalLM, EvalPrediction, TrainingArguments, default_data_collator, set_seed
 
 from hf_primal import PrimalTrainer
@@ -56,11 +46,13 @@ class DataArguments:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, float]:
-    model_args, data_args, training_args = parse_args((ModelArguments, DataArguments, TrainingArguments), argv, __doc__)
-    do_train, do_eval = phases(training_args)
+    model_args, data_args, training_args = common.parse_args(
+        (common.ModelArguments, DataArguments, TrainingArguments), argv, __doc__
+    )
+    do_train, do_eval = common.phases(training_args)
     set_seed(training_args.seed)
 
-    builder, files = data_files(data_args.train_file, data_args.validation_file)
+    builder, files = common.data_files(data_args.train_file, data_args.validation_file)
     if builder != "text":
         raise ValueError("train_causal_lm.py reads plain text files (.txt).")
     raw = datasets.load_dataset("text", data_files=files)
@@ -69,11 +61,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, float]:
         split = raw["train"].train_test_split(test_size=data_args.validation_split, seed=training_args.seed)
         raw = datasets.DatasetDict({"train": split["train"], "validation": split["test"]})
 
-    tokenizer = load_tokenizer(model_args)
-    config = load_config(model_args)
+    tokenizer = common.load_tokenizer(model_args)
+    config = common.load_config(model_args)
     if not model_args.model_name_or_path:
-        adopt_tokenizer(config, tokenizer)
-    model = load_model(AutoModelForCausalLM, model_args, config)
+        common.adopt_tokenizer(config, tokenizer)
+    model = common.load_model(AutoModelForCausalLM, model_args, config)
     if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(len(tokenizer))
 
@@ -127,7 +119,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, float]:
         except OverflowError:
             metrics["perplexity"] = float("inf")
 
-    return train_and_evaluate(trainer, model_args, do_train, do_eval, "text-generation", add_perplexity)
+    return common.train_and_evaluate(trainer, model_args, do_train, do_eval, "text-generation", add_perplexity)
 
 
 if __name__ == "__main__":

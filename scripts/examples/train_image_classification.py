@@ -24,22 +24,20 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+import common  # the examples' shared pieces, beside this file
 import datasets
 import numpy as np
 import torch
-from common import ModelArguments, load_config, load_model, parse_args, phases, train_and_evaluate
 from PIL import Image
 from transformers import (
     AutoImageProcessor,
     AutoModelForImageClassification,
-    EvalPrediction,
     TrainingArguments,
     ViTImageProcessor,
     set_seed,
 )
 
 from hf_primal import PrimalTrainer
-from hf_primal.tools.metrics import load_metric
 
 DATASETS = ("digits",)
 
@@ -102,7 +100,7 @@ def load_images(args: DataArguments, seed: int) -> datasets.DatasetDict:
     return datasets.DatasetDict({"train": full, "validation": validation})
 
 
-def image_processor(model_args: ModelArguments, image_args: ImageArguments, config: Any):
+def image_processor(model_args: common.ModelArguments, image_args: ImageArguments, config: Any):
     """The processor saved with the model, else a ViTImageProcessor built from the flags."""
     source = model_args.model_name_or_path or model_args.config_name
     if source is not None and os.path.isfile(os.path.join(source, "preprocessor_config.json")):
@@ -122,18 +120,18 @@ def collate(examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, float]:
-    model_args, data_args, image_args, training_args = parse_args(
-        (ModelArguments, DataArguments, ImageArguments, TrainingArguments), argv, __doc__
+    model_args, data_args, image_args, training_args = common.parse_args(
+        (common.ModelArguments, DataArguments, ImageArguments, TrainingArguments), argv, __doc__
     )
-    do_train, do_eval = phases(training_args)
+    do_train, do_eval = common.phases(training_args)
     set_seed(training_args.seed)
 
     raw = load_images(data_args, training_args.seed)
     names = raw["train"].features["label"].names
-    config = load_config(
+    config = common.load_config(
         model_args, id2label={i: n for i, n in enumerate(names)}, label2id={n: i for i, n in enumerate(names)}
     )
-    model = load_model(AutoModelForImageClassification, model_args, config)
+    model = common.load_model(AutoModelForImageClassification, model_args, config)
     processor = image_processor(model_args, image_args, config)
 
     def transform(batch: dict[str, list[Any]]) -> dict[str, Any]:
@@ -152,18 +150,14 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, float]:
     # Trainer would otherwise drop the "image" column (not a forward() argument) before the transform sees it.
     training_args.remove_unused_columns = False
 
-    accuracy = load_metric("accuracy")
-
-    def compute_metrics(prediction: EvalPrediction) -> dict[str, float]:
-        logits = prediction.predictions[0] if isinstance(prediction.predictions, tuple) else prediction.predictions
-        return accuracy.compute(predictions=np.argmax(logits, axis=-1), references=prediction.label_ids)
+    compute_metrics = common.accuracy_metrics()
 
     trainer = PrimalTrainer(
         model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
         processing_class=processor, data_collator=collate, compute_metrics=compute_metrics,
     )
 
-    return train_and_evaluate(trainer, model_args, do_train, do_eval, "image-classification")
+    return common.train_and_evaluate(trainer, model_args, do_train, do_eval, "image-classification")
 
 
 if __name__ == "__main__":

