@@ -221,7 +221,7 @@ def test_prompt_lookup_decoding_matches_greedy_search(layers, crops):
 # ---------------------------------------------------------------------------------------------- crop itself
 def _prefill(model, ids, window_recording=True):
     cache = DynamicCache(config=model.config)
-    from hf_primal.modeling.architecture import prepare_primal_cache
+    from hf_primal.modeling.hooks import prepare_primal_cache
 
     prepare_primal_cache(model, cache_kw(cache))
     if window_recording:
@@ -298,7 +298,7 @@ def test_recording_for_a_longer_draft_widens_the_window():
     model = _gpt2([-1], crop_window=2)
     ids = torch.randint(1, 120, (2, 14))
     cache = DynamicCache(config=model.config)
-    from hf_primal.modeling.architecture import prepare_primal_cache
+    from hf_primal.modeling.hooks import prepare_primal_cache
 
     prepare_primal_cache(model, cache_kw(cache))
     cache.activate_past_recording()

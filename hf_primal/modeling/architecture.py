@@ -15,13 +15,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-import torch
 from torch import nn
-from transformers import initialization as hf_init
-from transformers.cache_utils import Cache
 
-from .cache import attention_cache_layer
-from .cache_layers import cache_kwarg
 from .config import PrimalAttentionConfig
 from .kep_svgp import KEPSVGPCore
 from .primal import PrimalCore
@@ -72,6 +67,13 @@ VIT_LAYOUT = Layout(blocks="layers", attention="attention", heads_attr="num_atte
 def position_table(config: Any) -> int:
     """N_max of a text model whose position embeddings number its tokens from 0 (the `Architecture` default)."""
     return config.max_position_embeddings
+
+
+def patch_tokens(config: object, extra: int) -> int:
+    """Tokens a vision transformer sees at its configured image size: patches plus `extra` special tokens."""
+    image = config.image_size if isinstance(config.image_size, int) else max(config.image_size)
+    patch = config.patch_size if isinstance(config.patch_size, int) else min(config.patch_size)
+    return (image // patch) ** 2 + extra
 
 
 def never_causal(config: Any) -> bool:
@@ -221,30 +223,6 @@ def convert_layers(model: nn.Module, architecture: Architecture, primal_config: 
         if architecture.value_attr is not None and hasattr(module, architecture.value_attr):
             delattr(module, architecture.value_attr)
     return ignore
-
-
-def prepare_primal_cache(model: nn.Module, model_kwargs: dict, generation_config: Any = None) -> None:
-    """Put primal cache layers into the cache `generate` just prepared, before anything runs.
-
-    Installing them up front (instead of at the first forward) lets ``cache.activate_past_recording()``, which
-    transformers calls before the prefill of assisted / prompt-lookup decoding (and right after creating an
-    assistant's cache), reach them, so they keep the per-token states that ``crop`` needs.
-    """
-    cache = model_kwargs.get(cache_kwarg())
-    if cache is None or not isinstance(cache, Cache):
-        return
-    layers = [m for _, m in primal_attention_modules(model)
-              if getattr(m, "_primal_causal", False) and getattr(m, "layer_idx", None) is not None]
-    installed = [attention_cache_layer(cache, m) for m in layers]
-    if generation_config is not None and getattr(generation_config, "is_assistant", False):
-        for layer in installed:
-            layer.activate_past_recording()
-
-
-@torch.no_grad()
-def init_primal_core(core: nn.Module) -> None:
-    """The core's own initialisation, through transformers' init helpers (which skip tensors a checkpoint filled)."""
-    core.reset_parameters(hf_init)
 
 
 def is_primal_attention(module: nn.Module) -> bool:

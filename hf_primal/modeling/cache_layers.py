@@ -189,7 +189,7 @@ class PrimalCacheLayer(CacheLayerMixin):
                 f"({self._WHAT_IT_KEEPS}). Call `cache.activate_past_recording()` before the forward passes you may "
                 "want to undo (generate does this for assisted and prompt-lookup decoding). A primal layer is put into "
                 "a cache you create yourself at the model's first forward, so call it after that forward, or first run "
-                f"`prepare_primal_cache(model, {{{cache_kwarg()!r}: cache}})` from hf_primal.modeling.architecture."
+                f"`prepare_primal_cache(model, {{{cache_kwarg()!r}: cache}})` from hf_primal.modeling.hooks."
             )
         if n < self.seen and self.history_length() < n + 1:
             raise ValueError(

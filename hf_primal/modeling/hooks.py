@@ -13,9 +13,14 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import torch
 from torch import nn
+from transformers import initialization as hf_init
+from transformers.cache_utils import Cache
 
-from .architecture import Architecture, convert_layers, ignore_on_load, init_primal_core, prepare_primal_cache
+from .architecture import Architecture, convert_layers, ignore_on_load, primal_attention_modules
+from .cache import attention_cache_layer
+from .cache_layers import cache_kwarg
 
 # The attribute hf_primal's patched methods carry. A string, not an identity check: the shareable classes compare
 # it on whatever transformers method is in place, from any copy of this module.
@@ -55,3 +60,27 @@ def init_weights(module: nn.Module) -> None:
 def prepare_cache(model: nn.Module, model_kwargs: dict, generation_config: Any) -> None:
     """After transformers' ``_prepare_cache_for_generation``: put primal cache layers into the new cache."""
     prepare_primal_cache(model, model_kwargs, generation_config)
+
+
+def prepare_primal_cache(model: nn.Module, model_kwargs: dict, generation_config: Any = None) -> None:
+    """Put primal cache layers into the cache `generate` just prepared, before anything runs.
+
+    Installing them up front (instead of at the first forward) lets ``cache.activate_past_recording()``, which
+    transformers calls before the prefill of assisted / prompt-lookup decoding (and right after creating an
+    assistant's cache), reach them, so they keep the per-token states that ``crop`` needs.
+    """
+    cache = model_kwargs.get(cache_kwarg())
+    if cache is None or not isinstance(cache, Cache):
+        return
+    layers = [m for _, m in primal_attention_modules(model)
+              if getattr(m, "_primal_causal", False) and getattr(m, "layer_idx", None) is not None]
+    installed = [attention_cache_layer(cache, m) for m in layers]
+    if generation_config is not None and getattr(generation_config, "is_assistant", False):
+        for layer in installed:
+            layer.activate_past_recording()
+
+
+@torch.no_grad()
+def init_primal_core(core: nn.Module) -> None:
+    """The core's own initialisation, through transformers' init helpers (which skip tensors a checkpoint filled)."""
+    core.reset_parameters(hf_init)

@@ -268,10 +268,3 @@ def split_heads(q: torch.Tensor, k: torch.Tensor, head_dim: int) -> tuple[torch.
     """(B, L, H*d) projected queries and keys -> (B, H, L, d) each, the layout `run_primal` takes."""
     shape = (*q.shape[:-1], -1, head_dim)
     return q.view(shape).transpose(1, 2), k.view(shape).transpose(1, 2)
-
-
-def patch_tokens(config: object, extra: int) -> int:
-    """Tokens a vision transformer sees at its configured image size: patches plus `extra` special tokens."""
-    image = config.image_size if isinstance(config.image_size, int) else max(config.image_size)
-    patch = config.patch_size if isinstance(config.patch_size, int) else min(config.patch_size)
-    return (image // patch) ** 2 + extra

@@ -2,17 +2,20 @@
 
 To add one, write ``hf_primal/models/<model_type>.py`` (one `shareable.define_architecture` call naming the stock
 classes, an `architecture.Layout` or a preset of it, and what differs from the record's defaults; see bert.py) and list
-the module in `_MODULES` below. Everything else (model detection,
-conversion, LoRA targets, shareable classes and Auto registration, remote code) reads the records.
+the module in `_MODULES` below. Everything else (model detection, conversion, LoRA targets, shareable classes and
+Auto registration, remote code) reads the records; `swap_to_primal` is the in-place swap every conversion starts
+with.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
-from ..modeling.architecture import Architecture, convert_layers
+from ..modeling.architecture import Architecture, base_model, convert_layers, ignore_on_load
+from ..modeling.config import PrimalAttentionConfig
 from . import bert, deit, distilbert, gpt2, roberta, vit
 
 _MODULES = (bert, vit, gpt2, roberta, distilbert, deit)
@@ -45,6 +48,23 @@ def apply_primal_attention(model: nn.Module, primal_config: Any = None) -> list[
     Returns the regexes of checkpoint keys the primal layers no longer have (value projections).
     """
     return convert_layers(model, find_architecture(model), primal_config)
+
+
+def swap_to_primal(model: nn.Module, spec: PrimalAttentionConfig) -> None:
+    """Make the layers of `spec` primal in place, as a conversion does (value projections dropped).
+
+    `PrimalCore` initialised W_e, W_r and Lambda when it was built (docs/method.md, "Initialisation"); its head map
+    gets the model's own Linear initialisation, as the load-time hook `_init_weights` would give it.
+    """
+    model.config.primal_attention = spec.to_dict()
+    ignore_on_load(model, apply_primal_attention(model))
+    std = getattr(model.config, "initializer_range", 0.02)
+    layers = find_architecture(model).list_layers(base_model(model)[0])
+    for index in spec.resolve_layers(len(layers)):
+        core = layers[index][1].primal
+        with torch.no_grad():
+            core.head_map.weight.normal_(0.0, std)
+            core.head_map.bias.zero_()
 
 
 def shareable_class(model_class: type) -> type | None:

@@ -3,8 +3,8 @@ tokens."""
 
 from transformers.models.deit import modeling_deit
 
-from ..modeling.architecture import VIT_LAYOUT
-from ..modeling.layers import PrimalProjectedAttention, patch_tokens
+from ..modeling.architecture import VIT_LAYOUT, patch_tokens
+from ..modeling.layers import PrimalProjectedAttention
 from ..modeling.shareable import define_architecture
 
 

@@ -2,8 +2,8 @@
 
 from transformers.models.vit import modeling_vit
 
-from ..modeling.architecture import VIT_LAYOUT
-from ..modeling.layers import PrimalProjectedAttention, patch_tokens
+from ..modeling.architecture import VIT_LAYOUT, patch_tokens
+from ..modeling.layers import PrimalProjectedAttention
 from ..modeling.shareable import define_architecture
 
 

@@ -27,12 +27,12 @@ from ..integration.hub import enable_remote_code
 from ..modeling.architecture import Architecture, base_model, primal_attention_modules
 from ..modeling.config import PrimalAttentionConfig
 from ..modeling.layers import valid_tokens
-from ..models import find_architecture
+from ..models import find_architecture, swap_to_primal
 from ..training.calibration import as_batches, collect_batches, heldout_indices, text_batches
 from ..training.distill import distill, frozen_copy
 from .conversion_arguments import DEFAULT_LEARNING_RATE, METHODS, ConversionArguments
 from .embedding_metrics import heldout_neighbour_overlap
-from .selection import choose_layers, swap_to_primal
+from .selection import choose_layers
 
 __all__ = ["METHODS", "ConversionArguments", "convert", "text_batches"]
 

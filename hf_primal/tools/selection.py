@@ -1,4 +1,4 @@
-"""Which layers to make primal: the swap itself, and a measured ranking of what each layer costs.
+"""Which layers to make primal: a measured ranking of what each layer costs.
 
 Converting a layer throws away what its softmax attention computed, and layers differ in how much the rest of the
 network then has to make up for. `layer_sensitivity` measures it: for each attention layer alone, it makes that
@@ -18,30 +18,13 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..modeling.architecture import base_model, ignore_on_load
+from ..modeling.architecture import base_model
 from ..modeling.config import PrimalAttentionConfig
-from ..models import apply_primal_attention, find_architecture
+from ..models import find_architecture, swap_to_primal
 from ..training.calibration import collect_batches
 from ..training.distill import distill, frozen_copy
 
 LAYER_CHOICES = ("auto", "last")
-
-
-def swap_to_primal(model: nn.Module, spec: PrimalAttentionConfig) -> None:
-    """Make the layers of `spec` primal in place, as a conversion does (value projections dropped).
-
-    `PrimalCore` initialised W_e, W_r and Lambda when it was built (docs/method.md, "Initialisation"); its head map
-    gets the model's own Linear initialisation, as the load-time hook `_init_weights` would give it.
-    """
-    model.config.primal_attention = spec.to_dict()
-    ignore_on_load(model, apply_primal_attention(model))
-    std = getattr(model.config, "initializer_range", 0.02)
-    layers = find_architecture(model).list_layers(base_model(model)[0])
-    for index in spec.resolve_layers(len(layers)):
-        core = layers[index][1].primal
-        with torch.no_grad():
-            core.head_map.weight.normal_(0.0, std)
-            core.head_map.bias.zero_()
 
 
 @dataclass(frozen=True)
