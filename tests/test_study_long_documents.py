@@ -107,6 +107,14 @@ def test_the_capacity_grid_reads_the_table_run_with_the_same_arguments_and_no_ot
                                  str(tmp_path), "--learning-rate", "3e-4"])
     assert study.from_table(other_lr, "primal", {"sampling": "segment_mean", "rank_multi": 1, "learning_rate": 3e-4},
                             0) is None
+    # A run whose rows are all in the table trains nothing and writes them into the study's file.
+    only_table = study.parse_args(["--grid", "capacity", "--length", "2048", "--seeds", "0", "--out-dir",
+                                   str(tmp_path), "--match", "^primal sampling=segment_mean,rank_multi=1$"])
+    study.run(only_table)
+    with open(tmp_path / study.STUDY_CSV, newline="") as handle:
+        written = list(csv.DictReader(handle))
+    assert [(r["setting"], r["variant"], r["val_accuracy"]) for r in written] == [
+        ("sampling=segment_mean,rank_multi=1", "primal", "0.6")]
     # Another length: the table's run at 2048 is not the run at 1024.
     at_1024 = study.parse_args(["--grid", "capacity", "--length", "1024", "--seeds", "0", "--out-dir", str(tmp_path)])
     assert study.from_table(at_1024, "primal", {"sampling": "segment_mean", "rank_multi": 1}, 0) is None

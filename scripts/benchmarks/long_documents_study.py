@@ -165,6 +165,7 @@ def run(args: argparse.Namespace) -> None:
         if row is not None and _key(row) not in done:
             rows.append(row)
             done.add(_key(row))
+            harness.write_rows(path, rows)
     todo = [(args, variant, overrides, seed) for variant, overrides, seed in planned(args)
             if (setting_name(variant, overrides), variant, str(args.length), str(seed)) not in done]
     for row in harness.run_jobs(_run, todo, args.workers, "long-document study"):
