@@ -255,7 +255,7 @@ def long_documents_accuracy_rows(summary) -> list[str]:
 
 
 def long_documents_study_rows(summary) -> list[str]:
-    """docs/benchmarks.md's study table (validation), from scripts/benchmarks/results/long_documents_study_summary.csv."""
+    """docs/benchmarks.md's study table (validation), from results/long_documents_study_summary.csv."""
     return [f"| {r['grid']} | {r['n']} | {r['variant']} | {r['setting']} | {r['seeds']} | "
             f"{100 * float(r['train_accuracy_mean']):.1f} | {100 * float(r['val_accuracy_mean']):.1f} ± "
             f"{100 * float(r['val_accuracy_std']):.1f} |" for r in summary]
