@@ -100,3 +100,23 @@ def test_tables_round_trip_and_replace_rows(tmp_path):
     replaced = harness.replace_row(rows, {"variant": "sdpa", "n": 512, "ms": 9.0}, key=lambda r: r["variant"])
     assert [(r["variant"], r["ms"]) for r in replaced] == [("primal", None), ("sdpa", 9.0)]
     assert harness.lookup(rows, variant="primal", n=512) is rows[1] and harness.lookup(rows, variant="eager") is None
+
+
+def test_with_memory_adds_skipped_rows_and_training_peaks():
+    timed = [{"variant": v, "n": n, "mode": m, "time_ms": 1.0} for v in ("sdpa", "eager") for n in (64, 128)
+             for m in ("train", "infer") if not (v == "eager" and n == 128)]
+    measured = []
+
+    def memory(variant, n):
+        measured.append((variant, n))
+        return 10.0 * n + (1 if variant == "eager" else 0)
+
+    rows = harness.with_memory(timed, (64, 128), ("sdpa", "eager"),
+                               lambda v, n: "skipped: too big" if (v, n) == ("eager", 128) else None,
+                               lambda v, n, mode: {"variant": v, "n": n, "mode": mode}, memory)
+    assert measured == [("sdpa", 64), ("eager", 64), ("sdpa", 128)]  # never the skipped one
+    peaks = {(r["variant"], r["n"], r["mode"]): r.get("peak_mib") for r in rows}
+    assert peaks[("sdpa", 128, "train")] == 1280.0 and peaks[("eager", 64, "train")] == 641.0
+    assert peaks[("sdpa", 64, "infer")] is None  # inference rows get no peak
+    assert [r["status"] for r in rows if r.get("status")] == ["skipped: too big"] * 2
+    assert harness.with_memory(timed, (64,), ("sdpa",), lambda v, n: None, dict, None) == timed  # not measured

@@ -283,8 +283,14 @@ def fmt(value: Any, digits: int = 1) -> str:
     return str(value)
 
 
-def add_timing_arguments(parser: argparse.ArgumentParser, budget_s: float, eager_limit_gib: float) -> None:
-    """The options of the round-robin timing benchmarks (`layers`, `peers`)."""
+def timing_parser(description: str, parts: list[str], budget_s: float, eager_limit_gib: float
+                  ) -> argparse.ArgumentParser:
+    """The command line the round-robin timing benchmarks (`layers`, `peers`) share; each adds its own options."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help="tiny shapes and few repeats (for tests)")
+    parser.add_argument("--only", action="append", choices=parts, help="run only these parts (repeatable)")
+    parser.add_argument("--max-n", type=int, default=8192, help="longest sequence (full run)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory workers")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     parser.add_argument("--threads", type=int, default=2, help="torch threads per worker (default 2)")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per configuration at most")
@@ -293,6 +299,24 @@ def add_timing_arguments(parser: argparse.ArgumentParser, budget_s: float, eager
     parser.add_argument("--eager-limit-gib", type=float, default=eager_limit_gib,
                         help="skip eager attention where it would need more")
     add_device_arguments(parser)
+    return parser
+
+
+def with_memory(timed: list[dict], lengths: Iterable[int], variants: Iterable[str],
+                skip: Callable[[str, int], Optional[str]], row: Callable[[str, int, str], dict],
+                memory: Optional[Callable[[str, int], float]]) -> list[dict]:
+    """One group's timed rows (all of one width or section, measured round-robin) completed per (N, variant): two
+    rows ("train", "infer") with the reason when `skip` gives one, else the training row's ``peak_mib`` from
+    `memory` (None: not measured). `row(variant, n, mode)` gives a skipped row's identifying fields."""
+    rows = list(timed)
+    for n in lengths:
+        for variant in variants:
+            reason = skip(variant, n)
+            if reason is not None:
+                rows += [{**row(variant, n, mode), "status": reason} for mode in ("train", "infer")]
+            elif memory is not None:
+                lookup(rows, variant=variant, n=n, mode="train")["peak_mib"] = memory(variant, n)
+    return rows
 
 
 def run_phases(args: argparse.Namespace, phases: dict[str, Callable[[argparse.Namespace], Any]],

@@ -250,14 +250,9 @@ def plot(path: Path, rows: list[dict]) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny shapes and three repeats (for tests)")
-    harness.add_timing_arguments(parser, budget_s=12.0, eager_limit_gib=12.0)
-    parser.add_argument("--max-n", type=int, default=8192, help="longest sequence (full run)")
+    parser = harness.timing_parser(__doc__.split("\n\n")[0], ["lra", "bert-base", "sublayer"], budget_s=12.0,
+                                   eager_limit_gib=12.0)
     parser.add_argument("--bert-layers", type=int, default=2, help="layers of the BERT-base-width encoder")
-    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory workers")
-    parser.add_argument("--only", action="append", choices=["lra", "bert-base", "sublayer"],
-                        help="run only these parts (repeatable); default: all")
     args = parser.parse_args(argv)
     args.device, args.dtype = harness.resolve_device(args)
     settings = quick_settings(args) if args.quick else full_settings(args)
@@ -270,20 +265,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     for section, shape in settings.sections.items():
         if section not in parts:
             continue
-        rows += harness.in_child(timing_job, settings, section)
-        for n in shape.lengths:
-            for variant in VARIANTS:
-                reason = skip_reason(settings, shape, variant, n)
-                if reason is not None:
-                    for mode in ("train", "infer"):
-                        rows.append({"section": section, "variant": variant, "n": n, "batch": shape.batch,
-                                     "mode": mode, "status": reason})
-                    continue
-                if args.no_memory:
-                    continue
-                memory = harness.in_child(memory_job, settings, section, variant, n)
-                row = harness.lookup(rows, section=section, variant=variant, n=n, mode="train")
-                row["peak_mib"] = memory["peak_mib"]
+        rows += harness.with_memory(
+            harness.in_child(timing_job, settings, section), shape.lengths, VARIANTS,
+            lambda variant, n, shape=shape: skip_reason(settings, shape, variant, n),
+            lambda variant, n, mode, shape=shape, section=section: {
+                "section": section, "variant": variant, "n": n, "batch": shape.batch, "mode": mode},
+            None if args.no_memory else
+            lambda variant, n, section=section: harness.in_child(memory_job, settings, section, variant, n)["peak_mib"])
         print(f"  [{section}] memory done ({time.time() - started:.0f} s)", flush=True)
     if "sublayer" in parts:
         rows += harness.in_child(sublayer_job, settings)

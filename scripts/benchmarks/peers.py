@@ -226,14 +226,9 @@ def print_summary(summary: list[dict]) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny shapes, one repeat (for tests)")
-    harness.add_timing_arguments(parser, budget_s=10.0, eager_limit_gib=8.0)
-    parser.add_argument("--max-n", type=int, default=8192, help="longest sequence of the peer section")
+    parser = harness.timing_parser(__doc__.split("\n\n")[0], ["peers", "short"], budget_s=10.0, eager_limit_gib=8.0)
     parser.add_argument("--short-batch", type=int, default=8, help="batch of the short-input BERT-base section")
     parser.add_argument("--minilm-sentences", type=int, default=256, help="BBC sentences embedded per timed pass")
-    parser.add_argument("--no-memory", action="store_true", help="skip the peak-RSS workers")
-    parser.add_argument("--only", action="append", choices=["peers", "short"], help="run only these sections")
     args = parser.parse_args(argv)
     args.device, args.dtype = harness.resolve_device(args)
     opts = options(args)
@@ -246,18 +241,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     if "peers" in parts:
         rows: list[dict[str, Any]] = []
         for width in opts.widths:
-            rows += harness.in_child(peers_timing_job, opts, width)
-            for n in width.lengths:
-                for variant in VARIANTS:
-                    reason = skip_reason(opts, width, variant, n)
-                    if reason is not None:
-                        for mode in ("train", "infer"):
-                            rows.append({"width": width.name, "hidden": width.hidden, "heads": width.heads,
-                                         "variant": variant, "n": n, "mode": mode, "status": reason})
-                        continue
-                    if not args.no_memory:
-                        row = _find(rows, width=width.name, variant=variant, n=n, mode="train")
-                        row["peak_mib"] = harness.in_child(peers_memory_job, opts, width, variant, n)["peak_mib"]
+            rows += harness.with_memory(
+                harness.in_child(peers_timing_job, opts, width), width.lengths, VARIANTS,
+                lambda variant, n, width=width: skip_reason(opts, width, variant, n),
+                lambda variant, n, mode, width=width: {"width": width.name, "hidden": width.hidden,
+                                                       "heads": width.heads, "variant": variant, "n": n, "mode": mode},
+                None if args.no_memory else
+                lambda variant, n, width=width: harness.in_child(peers_memory_job, opts, width, variant, n)["peak_mib"])
             print(f"  [{width.name}] done ({time.time() - started:.0f} s)", flush=True)
         for row in rows:
             row.setdefault("status", "ok")
