@@ -60,10 +60,11 @@ def test_summary_equals_hand_computed_means_and_the_best_epoch_of_the_mean_curve
 
 
 def test_a_report_of_one_grid_keeps_the_other_grids_of_the_summary_file():
-    previous = [{"grid": "options", "setting": "baseline", "variant": "sdpa"},
-                {"grid": "lr", "setting": "learning_rate=0.0001", "variant": "sdpa"}]
-    new = [{"grid": "lr", "setting": "learning_rate=0.0003", "variant": "sdpa"}]
-    assert study.merged(previous, new, ["lr"]) == [previous[0], new[0]]
+    previous = [{"grid": "options", "setting": "baseline", "variant": "sdpa", "n": "512"},
+                {"grid": "lr", "setting": "learning_rate=0.0001", "variant": "sdpa", "n": "512"},
+                {"grid": "lr", "setting": "learning_rate=0.0001", "variant": "sdpa", "n": "2048"}]
+    new = [{"grid": "lr", "setting": "learning_rate=0.0003", "variant": "sdpa", "n": "512"}]
+    assert study.merged(previous, new, ["lr"], 512) == [previous[0], previous[2], new[0]]  # the same grid at 2048 stays
 
 
 def test_quick_run_rows_feed_the_summary(tmp_path):

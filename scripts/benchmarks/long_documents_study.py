@@ -217,11 +217,13 @@ def plot(path: Path, summary: list[dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    grids = [g for g in ("options", "capacity", "lr", "data", "budget") if any(s["grid"] == g for s in summary)]
-    fig, axes = plt.subplots(1, len(grids), figsize=(6.5 * len(grids), 4.8), squeeze=False)
+    order = ("options", "capacity", "lr", "data", "budget")
+    panels = sorted({(s["grid"], int(s["n"])) for s in summary if s["grid"] in order},
+                    key=lambda panel: (order.index(panel[0]), panel[1]))  # one panel per grid and length
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
     colors = {"sdpa": "tab:blue", "primal": "tab:red", "primal-last": "tab:pink", task.NO_ATTENTION: "tab:gray"}
-    for ax, grid_name in zip(axes[0], grids):
-        items = [s for s in summary if s["grid"] == grid_name]
+    for ax, (grid_name, n) in zip(axes[0], panels):
+        items = [s for s in summary if s["grid"] == grid_name and int(s["n"]) == n]
         if grid_name in ("options", "capacity"):
             ax.bar(range(len(items)), [100 * s["val_accuracy_mean"] for s in items],
                    yerr=[100 * s["val_accuracy_std"] for s in items],
@@ -255,10 +257,10 @@ def plot(path: Path, summary: list[dict]) -> None:
     plt.close(fig)
 
 
-def merged(previous: list[dict], summary: list[dict], grids: list[str]) -> list[dict]:
-    """The summary file's entries of the grids not run this time (each grid is run with its own options), then this
-    run's: a study run grid by grid ends with every grid in the file and the plot."""
-    return [item for item in previous if item["grid"] not in grids] + summary
+def merged(previous: list[dict], summary: list[dict], grids: list[str], n: int) -> list[dict]:
+    """The summary file's entries of the grids and lengths not run this time (each grid is run with its own options,
+    the same grid at several lengths), then this run's: a study run grid by grid ends with every grid in the file."""
+    return [item for item in previous if item["grid"] not in grids or str(item["n"]) != str(n)] + summary
 
 
 def report(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -267,8 +269,8 @@ def report(args: argparse.Namespace) -> list[dict[str, Any]]:
     if summary:
         previous = [{k: (float(v) if k.endswith(("accuracy_mean", "accuracy_std")) else v) for k, v in item.items()}
                     for item in harness.read_rows(out / STUDY_SUMMARY_CSV)]
-        harness.write_rows(out / STUDY_SUMMARY_CSV, merged(previous, summary, args.grid))
-        plot(out / STUDY_PNG, merged(previous, summary, args.grid))
+        harness.write_rows(out / STUDY_SUMMARY_CSV, merged(previous, summary, args.grid, args.length))
+        plot(out / STUDY_PNG, merged(previous, summary, args.grid, args.length))
     for s in summary:
         print(f"{s['grid']:<8} {s['setting']:<40} {s['variant']:<13} seeds {s['seeds']}  "
               f"train {100 * s['train_accuracy_mean']:5.1f}  val {100 * s['val_accuracy_mean']:5.1f} "
