@@ -189,8 +189,9 @@ def summarise(rows: list[dict], args: argparse.Namespace) -> list[dict[str, Any]
     for (grid_name, setting, variant, n), runs in groups.items():
         item: dict[str, Any] = {"grid": grid_name, "setting": setting, "variant": variant, "n": n, "seeds": len(runs)}
         for field in ("train_accuracy", "val_accuracy", "accuracy"):
-            values = [float(r[field]) for r in runs]
-            item[f"{field}_mean"] = statistics.mean(values)
+            # The table's earliest rows have no training accuracy: a mean over the runs that have it (NaN if none).
+            values = [float(r[field]) for r in runs if r.get(field) not in (None, "")]
+            item[f"{field}_mean"] = statistics.mean(values) if values else float("nan")
             item[f"{field}_std"] = statistics.stdev(values) if len(values) > 1 else 0.0
         curves = [[float(point.split(":")[1]) for point in r["val_curve"].split()] for r in runs if r.get("val_curve")]
         if curves and len({len(c) for c in curves}) == 1:
