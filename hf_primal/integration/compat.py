@@ -190,7 +190,7 @@ def patch(path: str, replacement: Any, where_imported: bool = False) -> None:
     if not entry.patched:
         raise KeyError(f"{path!r} is listed in hf_primal.integration.compat.INTERNALS as relied on, not patched")
     owner_path, _, name = entry.path.rpartition(".")
-    original_value = _resolve(entry.path)
+    original_value = _resolve(entry.path) if where_imported else None
     _set(owner_path, name, replacement)
     if where_imported:
         for module_name, module in list(sys.modules.items()):
