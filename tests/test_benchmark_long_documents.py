@@ -173,6 +173,34 @@ def test_jobs_cover_every_variant_seed_and_length_once():
     assert jobs[: len(bench.TRAINED)] == [(v, 2048, 0) for v in bench.TRAINED]  # the main table's first seed first
 
 
+def test_runs_of_two_budgets_are_kept_apart():
+    # The 8- and 16-epoch tables live in one file: a rerun at 16 epochs must not take the 8-epoch runs for done, the
+    # summary must not average them together, and each budget is read against its own softmax.
+    def at(epochs, variant, acc, step):
+        return {**_run_row(variant, 2048, 0, acc, 0.5, step / 10, step, 100.0), "epochs": str(epochs)}
+
+    rows = [at(8.0, "sdpa", 0.60, 1000.0), at(8.0, "primal", 0.50, 250.0), at(16.0, "sdpa", 0.70, 1000.0),
+            at(16.0, "primal", 0.68, 200.0),
+            {"variant": "eager", "n": 2048, "seed": 0, "status": "ok", "step_ms_median": 4000.0, "peak_mib": 2000.0}]
+    args = argparse.Namespace(lengths=[2048], seeds=[0], long_seeds=[0], variants=["sdpa", "primal", "eager"],
+                              epochs=16.0)
+    assert bench.pending(args, rows) == []
+    assert bench.pending(argparse.Namespace(**{**vars(args), "epochs": 32.0}), rows) == [
+        ("sdpa", 2048, 0), ("primal", 2048, 0)]  # eager is timed once, whatever the budget
+    summary = bench.summarise(rows)
+    assert [(s["epochs"], s["variant"]) for s in summary] == [
+        (16.0, "sdpa"), (16.0, "eager"), (16.0, "primal"), (8.0, "sdpa"), (8.0, "eager"), (8.0, "primal")]
+    by = {(s["epochs"], s["variant"]): s for s in summary}
+    assert by[(16.0, "primal")]["accuracy_mean"] == pytest.approx(0.68)
+    assert by[(16.0, "primal")]["step_speedup_vs_sdpa"] == pytest.approx(5.0)
+    assert by[(8.0, "primal")]["step_speedup_vs_sdpa"] == pytest.approx(4.0)
+    checks = {c["name"].split(" (")[0]: c for c in bench.targets(summary)}
+    assert checks["N=2048, 16 epochs primal - sdpa test accuracy"]["value"] == pytest.approx(-2.0)
+    assert checks["N=2048, 16 epochs primal - sdpa test accuracy"]["met"] is True
+    assert checks["N=2048, 8 epochs primal - sdpa test accuracy"]["value"] == pytest.approx(-10.0)
+    assert checks["N=2048, 8 epochs primal - sdpa test accuracy"]["met"] is False
+
+
 def test_device_options_refuse_what_this_machine_cannot_run():
     parser = argparse.ArgumentParser()
     harness.add_device_arguments(parser)
@@ -227,7 +255,7 @@ def test_quick_run_summary_and_timing_ratios_from_the_raw_rows(quick_run):
         if item["variant"] != "eager":
             assert float(item["accuracy_mean"]) == pytest.approx(sum(float(r["accuracy"]) for r in runs) / len(runs))
     timing = read(bench.TIMING_CSV)
-    assert {r["variant"] for r in timing} == set(bench.TIMED)
+    assert {r["variant"] for r in timing} == set(task.TIMED)
     for row in (r for r in timing if r["status"] == "ok"):
         sdpa = next(r for r in timing if r["n"] == row["n"] and r["variant"] == "sdpa")
         assert float(row["speedup_vs_sdpa"]) == pytest.approx(float(sdpa["step_ms"]) / float(row["step_ms"]), 1e-2)

@@ -31,7 +31,9 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -49,32 +51,44 @@ CSV_NAME, PNG_NAME, CURVES_NAME = "conversion_benchmark.csv", "conversion_benchm
 SELECTION = Path(__file__).resolve().parent / "results" / "conversion_selection_sentences.sha1"
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {', '.join(VARIANTS)}")
-    p.add_argument("--low-rank", type=int, default=30, help="s of the primal layers")
-    p.add_argument("--rank-multi", type=int, default=10, help="m of the primal layers")
-    p.add_argument("--eta", type=float, default=0.1, help="KSVD weight while distilling and fine-tuning")
-    p.add_argument("--train-size", type=int, default=3200, help="labelled training sentences")
-    p.add_argument("--test-size", type=int, default=1075, help="labelled test sentences (held-out articles)")
-    p.add_argument("--unlabeled", type=int, default=4000, help="unlabeled sentences for distillation")
-    p.add_argument("--cosine-sentences", type=int, default=300, help="test sentences for the embedding cosine")
-    p.add_argument("--distill-steps", type=int, default=None, help="distillation steps (default: convert's)")
-    p.add_argument("--distill-lr", type=float, default=None, help="distillation learning rate (default: convert's)")
-    p.add_argument("--epochs", type=float, default=1.0, help="fine-tuning epochs (the same budget for every variant)")
-    p.add_argument("--learning-rate", type=float, default=1e-4, help="fine-tuning learning rate")
-    p.add_argument("--batch-size", type=int, default=32, help="fine-tuning and distillation batch size")
-    p.add_argument("--max-length", type=int, default=128, help="token limit")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    p.add_argument("--replot", action="store_true", help="only redraw the plot from the CSV in --out-dir")
-    p.add_argument("--append", action="store_true",
-                   help="keep the rows of other variants already in --out-dir's CSV (run variants in several calls)")
-    args = p.parse_args(argv)
-    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = sorted(set(args.variants) - set(VARIANTS))
+@dataclass
+class ConversionBenchmarkArguments:
+    """The benchmark's command line (transformers' `HfArgumentParser`: `--train-size` and `--train_size` alike)."""
+
+    variants: str = field(default=",".join(VARIANTS),
+                          metadata={"help": f"comma-separated subset of {', '.join(VARIANTS)}"})
+    low_rank: int = field(default=30, metadata={"help": "s of the primal layers"})
+    rank_multi: int = field(default=10, metadata={"help": "m of the primal layers"})
+    eta: float = field(default=0.1, metadata={"help": "KSVD weight while distilling and fine-tuning"})
+    train_size: int = field(default=3200, metadata={"help": "labelled training sentences"})
+    test_size: int = field(default=1075, metadata={"help": "labelled test sentences (held-out articles)"})
+    unlabeled: int = field(default=4000, metadata={"help": "unlabeled sentences for distillation"})
+    cosine_sentences: int = field(default=300, metadata={"help": "test sentences for the embedding cosine"})
+    distill_steps: Optional[int] = field(default=None, metadata={"help": "distillation steps (default: convert's)"})
+    distill_lr: Optional[float] = field(default=None,
+                                        metadata={"help": "distillation learning rate (default: convert's)"})
+    epochs: float = field(default=1.0, metadata={"help": "fine-tuning epochs (the same budget for every variant)"})
+    learning_rate: float = field(default=1e-4, metadata={"help": "fine-tuning learning rate"})
+    batch_size: int = field(default=32, metadata={"help": "fine-tuning and distillation batch size"})
+    max_length: int = field(default=128, metadata={"help": "token limit"})
+    seed: int = 0
+    out_dir: str = str(Path(__file__).resolve().parent / "results")
+    replot: bool = field(default=False, metadata={"help": "only redraw the plot from the CSV in --out-dir"})
+    append: bool = field(default=False, metadata={
+        "help": "keep the rows of other variants already in --out-dir's CSV (run variants in several calls)"})
+    chosen: list[str] = field(init=False, default_factory=list)  # `variants` as a list, checked
+
+
+def parse_args(argv=None) -> ConversionBenchmarkArguments:
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(ConversionBenchmarkArguments, description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    (args,) = parser.parse_args_into_dataclasses(args=argv)
+    args.chosen = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = sorted(set(args.chosen) - set(VARIANTS))
     if unknown:
-        p.error(f"--variants: unknown {unknown}; allowed: {', '.join(VARIANTS)}")
+        parser.error(f"--variants: unknown {unknown}; allowed: {', '.join(VARIANTS)}")
     return args
 
 
@@ -206,9 +220,9 @@ def main(argv=None) -> int:
     rows, curves = [], {}
     if args.append and (out_dir / CSV_NAME).exists():
         with open(out_dir / CSV_NAME, encoding="utf-8") as handle:
-            rows = [r for r in csv.DictReader(handle) if r["variant"] not in args.variants]
-        curves = {k: v for k, v in json.loads((out_dir / CURVES_NAME).read_text()).items() if k not in args.variants}
-    for name in args.variants:
+            rows = [r for r in csv.DictReader(handle) if r["variant"] not in args.chosen]
+        curves = {k: v for k, v in json.loads((out_dir / CURVES_NAME).read_text()).items() if k not in args.chosen}
+    for name in args.chosen:
         row, curve = run_variant(name, args, tokenizer, data, reference)
         rows.append(row)
         rows.sort(key=lambda r: VARIANTS.index(r["variant"]))

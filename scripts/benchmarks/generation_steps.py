@@ -10,7 +10,7 @@ import resource
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Optional
 
 import torch
@@ -66,11 +66,7 @@ def build_model(variant: str, shape: Shape, seed: int, device: str = "cpu") -> G
     """Randomly initialised GPT-2 of `shape`; `variant` picks which layers (if any) are primal."""
     torch.manual_seed(seed)
     config = GPT2Config(
-        n_layer=shape.n_layer,
-        n_embd=shape.n_embd,
-        n_head=shape.n_head,
-        vocab_size=shape.vocab_size,
-        n_positions=shape.n_positions,
+        **asdict(shape),  # the fields are named as GPT2Config's arguments
         bos_token_id=shape.vocab_size - 1,  # GPT-2's <|endoftext|> id, kept inside smaller test vocabularies
         eos_token_id=shape.vocab_size - 1,
         primal_attention=VARIANTS[variant],

@@ -9,7 +9,8 @@ train / 15% validation / 25% test per topic, duplicated articles dropped from th
 Model: the paper's LRA shape, trained from scratch with identical data order, steps, optimiser and seeds for every
 variant: a BERT encoder of 2 layers, hidden 64, 2 heads, FFN 128, learned positions, bytes as tokens, mean pool
 over the valid bytes, a linear head. AdamW (lr 1e-3, no weight decay), linear warm-up over the first 10% of the
-steps then linear decay, batch 32, 8 epochs, dropout 0.1 on hidden states. Variants:
+steps then linear decay, batch 32, 16 epochs (chosen on the validation split by ``long_documents_study``; runs of
+another ``--epochs`` are kept apart in the files: the first table's 8), dropout 0.1 on hidden states. Variants:
 
 * ``sdpa``: stock softmax attention (``attn_implementation="sdpa"``) with attention-probability dropout 0, so that
   PyTorch keeps its fused kernel; ``sdpa-dropout``: the same with dropout 0.1 on the attention probabilities
@@ -51,15 +52,13 @@ memory of one training step above the pre-model baseline, in a fresh process per
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
-
 from . import harness
+from .long_documents_steps import memory_job, timing_job
 from .long_documents_task import (
     NO_ATTENTION,
     PEERS,
@@ -68,17 +67,11 @@ from .long_documents_task import (
     RUNS_CSV,
     SUMMARY_CSV,
     TARGETS_CSV,
-    TIMED,
     TIMING_CSV,
     TRAINED,
-    DocumentClassifier,
-    eager_estimate_gib,
     eager_job,
-    load_data,
     parse_args,
-    setup,
     train_job,
-    train_step,
 )
 
 
@@ -99,15 +92,27 @@ def jobs(args: argparse.Namespace) -> list[tuple[str, int, int]]:
     return [job for job in out if job[0] in chosen]
 
 
-def _key(row: dict) -> tuple[str, str, str]:
-    return str(row["variant"]), str(row["n"]), str(row["seed"])
+def _epochs(row: dict) -> Optional[float]:
+    """The training budget of a run (None for a run that records none): runs of different budgets are kept apart."""
+    return None if row.get("epochs") in (None, "") else float(row["epochs"])
+
+
+def _key(row: dict) -> tuple[str, str, str, Optional[float]]:
+    return str(row["variant"]), str(row["n"]), str(row["seed"]), _epochs(row)
+
+
+def pending(args: argparse.Namespace, rows: list[dict]) -> list[tuple[str, int, int]]:
+    """The runs of `jobs` not in `rows` yet: a trained run is done at this --epochs (runs of another budget stay
+    and do not count), the timed-only eager run once."""
+    done = {_key(r) for r in rows}
+    return [(v, n, s) for v, n, s in jobs(args)
+            if (v, str(n), str(s), None if v == "eager" else float(args.epochs)) not in done]
 
 
 def run_training(args: argparse.Namespace) -> None:
     path = Path(args.out_dir) / RUNS_CSV
     rows = harness.read_rows(path)
-    done = {_key(r) for r in rows}
-    todo = [(args, v, n, s) for v, n, s in jobs(args) if (v, str(n), str(s)) not in done]
+    todo = [(args, *job) for job in pending(args, rows)]
     # A run on CUDA always gets a process of its own: the parent must stay without a CUDA context, because the
     # timing phase forks its workers.
     for row in harness.run_jobs(_run, todo, args.workers, "long documents", separate=args.device.startswith("cuda")):
@@ -122,15 +127,23 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 
 
 def summarise(rows: list[dict]) -> list[dict[str, Any]]:
-    """One row per (N, variant): mean and std over seeds, and ratios to sdpa at the same N."""
+    """One row per (N, epochs, variant): mean and std over seeds, and ratios to sdpa at the same N and budget (the
+    timed-only eager run, which records no budget, is compared with every budget's sdpa and listed under each)."""
     out = []
-    groups: dict[tuple[int, str], list[dict]] = {}
-    for row in rows:
-        if row.get("status") == "ok":
-            groups.setdefault((int(row["n"]), row["variant"]), []).append(row)
+    ok = [row for row in rows if row.get("status") == "ok"]
+    budgets: dict[int, set[float]] = {int(row["n"]): set() for row in ok}
+    for row in ok:
+        budgets[int(row["n"])].update({_epochs(row)} - {None})
+    groups: dict[tuple[int, Optional[float], str], list[dict]] = {}
+    for row in ok:
+        n = int(row["n"])
+        for epochs in [_epochs(row)] if _epochs(row) is not None else sorted(budgets[n]) or [None]:
+            groups.setdefault((n, epochs, row["variant"]), []).append(row)
     order = {v: i for i, v in enumerate(("sdpa", "sdpa-dropout", "eager") + TRAINED[1:])}
-    for (n, variant), runs in sorted(groups.items(), key=lambda item: (item[0][0], order[item[0][1]])):
-        item: dict[str, Any] = {"n": n, "variant": variant, "seeds": len(runs)}
+    for (n, epochs, variant), runs in sorted(groups.items(),
+                                             key=lambda item: (item[0][0], -(item[0][1] or 0), order[item[0][2]])):
+        item: dict[str, Any] = {"n": n, "epochs": epochs if epochs is not None else "", "variant": variant,
+                                "seeds": len(runs)}
         for field in ("accuracy", "macro_f1", "val_accuracy"):
             values = [float(r[field]) for r in runs if r.get(field) not in (None, "")]
             if values:
@@ -141,7 +154,8 @@ def summarise(rows: list[dict]) -> list[dict[str, Any]]:
                 item[field] = statistics.mean(values)
         out.append(item)
     for item in out:
-        sdpa = next((s for s in out if s["n"] == item["n"] and s["variant"] == "sdpa"), None)
+        sdpa = next((s for s in out if (s["n"], s["epochs"]) == (item["n"], item["epochs"])
+                     and s["variant"] == "sdpa"), None)
         if sdpa:
             item["step_speedup_vs_sdpa"] = sdpa["step_ms_median"] / item["step_ms_median"]
             if "train_seconds" in item:
@@ -158,8 +172,8 @@ def targets(summary: list[dict], timing: list[dict] = ()) -> list[dict[str, Any]
     """The comparisons the benchmark is read by, per N; accuracy differences in points of test accuracy (means over
     seeds). Speed and memory come from the timing phase (median step, round-robin in one process; peak of one step,
     and attention's own share of it: the peak above the network without attention)."""
-    by = {(s["n"], s["variant"]): s for s in summary}
-    lengths = sorted({s["n"] for s in summary})
+    by = {(s["n"], s.get("epochs", ""), s["variant"]): s for s in summary}
+    budgets = sorted({(s["n"], s.get("epochs", "")) for s in summary}, key=lambda b: (b[0], -float(b[1] or 0)))
     out: list[dict[str, Any]] = []
 
     def add(name: str, value: Optional[float], op: str, bound: Optional[float]) -> None:
@@ -167,25 +181,26 @@ def targets(summary: list[dict], timing: list[dict] = ()) -> list[dict[str, Any]
             out.append({"name": name, "value": value, "target": f"{op} {bound:g}",
                         "met": value >= bound if op == ">=" else value <= bound})
 
-    for n in lengths:
-        sdpa = by.get((n, "sdpa"))
+    for n, epochs in budgets:
+        where = f"N={n}" + (f", {float(epochs):g} epochs" if epochs not in ("", None) else "")
+        sdpa = by.get((n, epochs, "sdpa"))
         if not sdpa or "accuracy_mean" not in sdpa:
             continue
         for variant, gap in (("primal-last", -1.0), ("primal", -3.0)):
-            primal = by.get((n, variant))
+            primal = by.get((n, epochs, variant))
             if not primal or "accuracy_mean" not in primal:
                 continue
-            add(f"N={n} {variant} - sdpa test accuracy (points)",
+            add(f"{where} {variant} - sdpa test accuracy (points)",
                 100 * (primal["accuracy_mean"] - sdpa["accuracy_mean"]), ">=", gap)
             for peer in PEERS:
-                other = by.get((n, peer))
+                other = by.get((n, epochs, peer))
                 if other and "accuracy_mean" in other:
-                    add(f"N={n} {variant} - {peer} test accuracy (points; {peer} trains in "
+                    add(f"{where} {variant} - {peer} test accuracy (points; {peer} trains in "
                         f"{other['train_seconds'] / primal['train_seconds']:.2f}x {variant}'s time)",
                         100 * (primal["accuracy_mean"] - other["accuracy_mean"]), ">=", 0.0)
-        primal, floor = by.get((n, "primal")), by.get((n, NO_ATTENTION))
+        primal, floor = by.get((n, epochs, "primal")), by.get((n, epochs, NO_ATTENTION))
         if primal and floor and "accuracy_mean" in primal and "accuracy_mean" in floor:
-            add(f"N={n} primal - {NO_ATTENTION} test accuracy (points: what its mixing adds)",
+            add(f"{where} primal - {NO_ATTENTION} test accuracy (points: what its mixing adds)",
                 100 * (primal["accuracy_mean"] - floor["accuracy_mean"]), ">=", 10.0)
     timed = {(int(r["n"]), r["variant"]): r for r in timing if r.get("status") == "ok"}
     timed_lengths = sorted({n for n, v in timed if v == "primal"})
@@ -208,15 +223,23 @@ def plot(path: Path, summary: list[dict]) -> None:
     import matplotlib.pyplot as plt
 
     lengths = sorted({s["n"] for s in summary if "accuracy_mean" in s})
+    max_epochs = {n: max((s["epochs"] for s in summary if s["n"] == n and s["epochs"] != ""), default="")
+                  for n in lengths}
+    several = {n for n in lengths if len({s["epochs"] for s in summary if s["n"] == n}) > 1}
+
+    def budget(s: dict) -> str:
+        return f", {float(s['epochs']):g} ep" if s["n"] in several and s["epochs"] != "" else ""
+
     fig, axes = plt.subplots(1, len(lengths), figsize=(5.5 * len(lengths), 4.2), squeeze=False)
     colors = {"sdpa": "tab:blue", "sdpa-dropout": "tab:cyan", "primal": "tab:red", "primal-last": "tab:pink",
               "performer": "tab:green", "nystrom": "tab:purple", "linformer": "tab:orange"}
     for ax, n in zip(axes[0], lengths):
         for s in summary:
             if s["n"] == n and "accuracy_mean" in s:
-                ax.errorbar(s["train_seconds"], 100 * s["accuracy_mean"], yerr=100 * s["accuracy_std"], fmt="o",
+                ax.errorbar(s["train_seconds"], 100 * s["accuracy_mean"], yerr=100 * s["accuracy_std"], ls="none",
                             color=colors.get(s["variant"], "black"), capsize=3,
-                            label=f"{s['variant']} ({s['seeds']} seed{'s' if s['seeds'] > 1 else ''})")
+                            marker="o" if s["epochs"] in ("", max_epochs.get(n)) else "x",
+                            label=f"{s['variant']}{budget(s)} ({s['seeds']} seed{'s' if s['seeds'] > 1 else ''})")
         ax.set_xscale("log")
         ax.set_xlabel("training wall time (s)")
         ax.set_ylabel("test accuracy (%)")
@@ -237,14 +260,14 @@ def report(args: argparse.Namespace) -> list[dict[str, Any]]:
         plot(out / PNG, summary)
     if checks:
         harness.write_rows(out / TARGETS_CSV, checks)
-    print(f"{'N':>5} {'variant':<13} {'seeds':>5} {'test acc':>15} {'macro-F1':>15} {'train s':>8} {'step ms':>8} "
-          f"{'peak MiB':>9} {'speedup':>8} {'mem ratio':>9}")
+    print(f"{'N':>5} {'epochs':>6} {'variant':<13} {'seeds':>5} {'test acc':>15} {'macro-F1':>15} {'train s':>8} "
+          f"{'step ms':>8} {'peak MiB':>9} {'speedup':>8} {'mem ratio':>9}")
     for s in summary:
         acc = f"{100 * s['accuracy_mean']:.1f} ± {100 * s['accuracy_std']:.1f}" if "accuracy_mean" in s else "-"
         f1 = f"{s['macro_f1_mean']:.3f} ± {s['macro_f1_std']:.3f}" if "macro_f1_mean" in s else "-"
-        print(f"{s['n']:>5} {s['variant']:<13} {s['seeds']:>5} {acc:>15} {f1:>15} {s.get('train_seconds', 0):>8.0f} "
-              f"{s['step_ms_median']:>8.0f} {s['peak_mib']:>9.0f} {s.get('step_speedup_vs_sdpa', 0):>8.2f} "
-              f"{s.get('memory_ratio_vs_sdpa') or 0:>9.2f}")
+        print(f"{s['n']:>5} {s['epochs'] or '-':>6} {s['variant']:<13} {s['seeds']:>5} {acc:>15} {f1:>15} "
+              f"{s.get('train_seconds', 0):>8.0f} {s['step_ms_median']:>8.0f} {s['peak_mib']:>9.0f} "
+              f"{s.get('step_speedup_vs_sdpa', 0):>8.2f} {s.get('memory_ratio_vs_sdpa') or 0:>9.2f}")
     for check in checks:
         print(f"  {check['name']}: {check['value']:.2f} (target {check['target']}) "
               f"{'MET' if check['met'] else 'NOT MET'}")
@@ -252,39 +275,6 @@ def report(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------------------------------- timing phase
-def _timing_worker(args: argparse.Namespace, n: int) -> list[dict[str, Any]]:
-    setup(args)
-    batch = [t[: args.batch_size] for t in load_data(args, n)["train"]]
-    steps, skipped = {}, []
-    for variant in TIMED:
-        if variant in ("eager", "sdpa-dropout") and eager_estimate_gib(n, args) > args.eager_limit_gib:
-            skipped.append(variant)  # both form the (B, H, N, N) probabilities
-            continue
-        torch.manual_seed(0)
-        model = DocumentClassifier(variant, n, args).to(args.device).train()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
-        steps[variant] = (lambda m=model, o=optimizer: train_step(m, o, batch, args))
-    times = harness.time_round_robin(steps, args.timing_steps, 1e9)
-    load = round(os.getloadavg()[0], 2)
-    rows = [{"n": n, "variant": v, "batch": args.batch_size, "step_ms": round(median, 2), "step_ms_min": round(low, 2),
-             "reps": reps, "load1": load, "device": args.device, "dtype": args.dtype, "threads": args.threads,
-             "status": "ok"} for v, (median, low, reps) in times.items()]
-    rows += [{"n": n, "variant": v, "status": f"skipped: needs ~{eager_estimate_gib(n, args):.0f} GiB"}
-             for v in skipped]
-    return rows
-
-
-def _memory_worker(args: argparse.Namespace, variant: str, n: int) -> float:
-    setup(args)
-    batch = [t[: args.batch_size] for t in load_data(args, n)["train"]]
-    with harness.peak_memory(args.device) as memory:
-        torch.manual_seed(0)
-        model = DocumentClassifier(variant, n, args).to(args.device).train()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
-        train_step(model, optimizer, batch, args)
-    return memory["peak_mib"]
-
-
 def add_ratios(timed: list[dict[str, Any]]) -> None:
     """Ratios to sdpa of one N's timing rows, and attention's own peak memory: a variant's peak above the network
     without attention (the rest of the model), with sdpa's and eager's own peaks over it."""
@@ -309,10 +299,10 @@ def run_timing(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     rows: list[dict[str, Any]] = []
     for n in tqdm(args.lengths, desc="timing"):
-        timed = harness.in_child(_timing_worker, args, n)
+        timed = harness.in_child(timing_job, args, n)
         for row in timed:
             if row["status"] == "ok":
-                row["peak_mib"] = round(harness.in_child(_memory_worker, args, row["variant"], n), 1)
+                row["peak_mib"] = round(harness.in_child(memory_job, args, row["variant"], n), 1)
         add_ratios(timed)
         rows += timed
         # After each N: a later N that fails keeps the earlier.

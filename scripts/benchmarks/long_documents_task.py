@@ -39,7 +39,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--long-seeds", default="0", help="seeds at the other lengths")
     p.add_argument("--variants", default=",".join(RUNS),
                    help="the runs to make, comma-separated (a part of the table at a time: a rerun resumes)")
-    p.add_argument("--epochs", type=float, default=8.0)
+    p.add_argument("--epochs", type=float, default=16.0, help="training budget (chosen on validation)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--learning-rate", type=float, default=1e-3)
     p.add_argument("--warmup", type=float, default=0.1, help="fraction of the steps with a linear warm-up")

@@ -67,13 +67,13 @@ from .peers_steps import (
 
 def options(args: argparse.Namespace) -> Options:
     if args.quick:
-        widths = (Width("C=16", 16, 2, (64, 128), low_rank=4, rank_multi=4, landmarks=16, linformer_k=16),
-                  Width("C=32", 32, 4, (64, 128), low_rank=4, rank_multi=4, landmarks=16, linformer_k=16))
+        widths = tuple(Width(f"C={c}", c, heads, 4 * c, 1, 1, (64, 128), low_rank=4, rank_multi=4, landmarks=16,
+                             linformer_k=16) for c, heads in ((16, 2), (32, 4)))
         short = encoder.Shape("short", 32, 4, 64, 2, 2, (16, 32), low_rank=4, rank_multi=4, vocab=64)
         return Options(args.threads, 1, 5.0, args.eager_limit_gib, widths, (16, 32), 2, short, 64, 32, True,
                        args.device, args.dtype)
     lengths = tuple(n for n in (512, 1024, 2048, 4096, 8192) if n <= args.max_n)
-    widths = (Width("C=64", 64, 2, lengths), Width("C=768", 768, 12, lengths))
+    widths = tuple(Width(f"C={c}", c, heads, 4 * c, 1, 1, lengths) for c, heads in ((64, 2), (768, 12)))
     short = encoder.Shape("short", 768, 12, 3072, 2, args.short_batch, (128, 512))
     return Options(args.threads, args.repeats, args.budget_s, args.eager_limit_gib, widths, (128, 512),
                    args.short_batch, short, args.minilm_sentences, 32, False, args.device, args.dtype)

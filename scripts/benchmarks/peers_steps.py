@@ -20,13 +20,10 @@ VARIANTS = ("primal", "sdpa", "eager") + PEERS
 
 
 @dataclass(frozen=True)
-class Width:
-    name: str
-    hidden: int
-    heads: int
-    lengths: tuple[int, ...]
-    low_rank: int = 30
-    rank_multi: int = 10
+class Width(encoder.Shape):
+    """A width of the sub-layer table: the one-layer encoder shape hf_primal's and the stock sub-layers are cut
+    from, and the peers' own settings."""
+
     landmarks: int = 256  # library defaults; --quick shrinks them with the shapes
     linformer_k: int = 256
 
@@ -91,10 +88,8 @@ def sublayer(width: Width, variant: str, n: int, device: str = "cpu") -> torch.n
     torch.manual_seed(0)
     d = width.hidden // width.heads
     if variant in ("primal", "sdpa", "eager"):
-        shape = encoder.Shape(width.name, width.hidden, width.heads, 4 * width.hidden, 1, 1, (n,),
-                           low_rank=width.low_rank, rank_multi=width.rank_multi)
         name = "primal-all" if variant == "primal" else variant
-        return Stock(encoder.sublayer_module(shape, name, n).attention).train().to(device)
+        return Stock(encoder.sublayer_module(width, name, n).attention).train().to(device)
     if variant == "performer":
         from performer_pytorch import SelfAttention
 
