@@ -39,6 +39,13 @@ def quick_run(tmp_path_factory):
         cwd=ROOT, capture_output=True, text=True, timeout=1500,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    # The same rows again with the stopping rule (a resumed run: the teachers and the ranking are reused).
+    result = subprocess.run(
+        [sys.executable, "-m", "scripts.benchmarks.conversion_tasks", "--quick", "--only", "accuracy",
+         "--recipe-stop", "agreement", "--out-dir", str(out), "--work-dir", str(out / "teachers")],
+        cwd=ROOT, capture_output=True, text=True, timeout=1500,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
     def read(name):
         with open(out / name, newline="") as handle:
@@ -84,6 +91,19 @@ def test_quick_run_converts_the_layers_the_ranking_or_last_k_names(quick_run):
     summary = read("conversion_tasks_summary.csv")
     assert {(s["task"], s["variant"]) for s in summary} >= {("sentences", "stock"), ("headlines", "plain")}
     assert (out / "conversion_tasks.png").stat().st_size > 10_000
+
+
+def test_quick_run_records_what_the_stopping_rule_chose(quick_run):
+    out, read = quick_run
+    rows = read("conversion_tasks.csv")
+    fixed = [r for r in rows if r["variant"] == "recipe"]
+    stopped = [r for r in rows if r["variant"] == "recipe-stop"]
+    # The fixed recipe rows stay as they were; the stopping rule adds rows of its own for the same task, layers, seed.
+    assert {(r["task"], r["selection"], r["layers"]) for r in stopped} == {
+        (r["task"], r["selection"], r["layers"]) for r in fixed}
+    assert all(r["steps_run"] == "2" and r["best_step"] == "" for r in fixed)
+    for r in stopped:  # --quick: evaluations every 2 steps, at most 6 steps
+        assert int(r["best_step"]) in (2, 4, 6) and int(r["best_step"]) <= int(r["steps_run"]) <= 6
 
 
 def test_quick_run_embedding_measures(quick_run):

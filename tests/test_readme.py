@@ -314,12 +314,39 @@ def uncertainty_rows(summary) -> list[str]:
             f"{float(r['relative_time_mean']):.1f}x |" for r in summary]
 
 
+UNCERTAINTY_TASKS = {"bbc_sentences": "topic of a BBC News sentence, fine-tuned all-MiniLM-L6-v2, one topic held out",
+                     "digits_vit": "8x8 digits, 2-layer ViT trained from scratch, digit 9 held out"}
+
+
+def uncertainty_headline(summary) -> list[str]:
+    """README's headline rows for calibration (one per task measured), from uncertainty_summary.csv."""
+    out = []
+    for task, what in UNCERTAINTY_TASKS.items():
+        by = {r["method"]: r for r in _by(summary, task=task)}
+        if not {"msp", "kep_svgp", "ensemble"} <= set(by):
+            continue
+        kep, msp, ens = by["kep_svgp"], by["msp"], by["ensemble"]
+        out.append(f"| calibration with a KEP-SVGP last layer ({what}; {kep['seeds']} seeds) | ECE "
+                   f"{100 * float(kep['ece_mean']):.1f}% vs {100 * float(msp['ece_mean']):.1f}% stock, NLL "
+                   f"{float(kep['nll_mean']):.3f} vs {float(msp['nll_mean']):.3f}, OOD AUROC "
+                   f"{float(kep['ood_auroc_mean']):.3f} vs {float(msp['ood_auroc_mean']):.3f}, accuracy "
+                   f"{100 * float(kep['accuracy_mean']):.1f}% vs {100 * float(msp['accuracy_mean']):.1f}%, at "
+                   f"{float(kep['relative_time_mean']):.0f}x one stock forward; a deep ensemble of 3: ECE "
+                   f"{100 * float(ens['ece_mean']):.1f}%, NLL {float(ens['nll_mean']):.3f} | `uncertainty_summary.csv` |")
+    return out
+
+
 def test_uncertainty_figures_are_those_of_the_results_files():
-    rows = uncertainty_rows(_csv_rows(ROOT / "scripts" / "benchmarks" / "results" / "uncertainty_summary.csv"))
+    summary = _csv_rows(ROOT / "scripts" / "benchmarks" / "results" / "uncertainty_summary.csv")
+    rows = uncertainty_rows(summary)
     benchmarks = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
     assert len(rows) >= 6
     for line in rows:
         assert line in benchmarks, line
+    headline = uncertainty_headline(summary)
+    assert headline
+    for line in headline:
+        assert line in README, line
 
 
 def test_conversion_and_headline_figures_are_those_of_the_results_files():

@@ -10,7 +10,12 @@ Rows of ``conversion_tasks.csv`` (test split, per seed; every variant fine-tunes
 * ``plain``: its last layer made primal before the same fine-tuning (``from_pretrained(..., primal_attention=)``);
 * ``recipe``: the fine-tuned stock model, converted at K layers (chosen by ``layer_sensitivity``: selection
   ``auto``; or the last K: ``last``), then trained with ``PrimalTrainer(teacher=<the fine-tuned stock model>,
-  distill_target="logits", distill_dataset=<unlabeled training-article text>)`` for ``--recipe-steps`` steps.
+  distill_target="logits", distill_dataset=<unlabeled training-article text>)`` for ``--recipe-steps`` steps;
+* ``recipe-stop`` (``--recipe-stop agreement``): the same, but the budget follows the stopping rule of
+  docs/conversion.md: top-1 agreement with the teacher on ``--recipe-heldout`` unlabeled texts that distillation
+  never sees, evaluated every ``--recipe-eval-steps``, stopped after ``--recipe-patience`` evaluations without a
+  better one (at most ``--recipe-max-steps``), the best step restored; the row records the steps run and the step
+  kept.
 
 ``conversion_embeddings.csv``: the frozen pretrained encoder converted at K layers with ``convert(...,
 method="distill")`` on the unlabeled text; on held-out sentences, the mean-pooled embedding cosine with the original,
@@ -23,6 +28,7 @@ std over seeds) and ``conversion_tasks.png``.
     pip install -e ".[bench]"
     python -m scripts.benchmarks.conversion_tasks             # everything, two one-thread workers
     python -m scripts.benchmarks.conversion_tasks --quick     # smoke run (tiny budgets; what the test executes)
+    python -m scripts.benchmarks.conversion_tasks --only accuracy --recipe-stop agreement   # the stopping rule's rows
     python -m scripts.benchmarks.conversion_tasks --only timing --device cuda --dtype bf16   # the timing on a GPU
 """
 
@@ -43,6 +49,7 @@ from .conversion_tasks_jobs import (
     SENSITIVITY_JSON,
     chosen_layers,
     primal_spec,
+    recipe_variant,
     run_job,
     setup,
     teacher_dir,
@@ -66,7 +73,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--epochs", type=float, default=3.0, help="fine-tuning epochs of stock and plain")
     p.add_argument("--learning-rate", type=float, default=1e-4)
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--recipe-steps", type=int, default=150, help="PrimalTrainer steps of the recipe")
+    p.add_argument("--recipe-steps", type=int, default=150, help="PrimalTrainer steps of the recipe (fixed)")
+    p.add_argument("--recipe-stop", choices=("fixed", "agreement"), default="fixed",
+                   help="fixed: --recipe-steps steps (rows `recipe`); agreement: the stopping rule on held-out "
+                        "unlabeled text, up to --recipe-max-steps, best step restored (rows `recipe-stop`)")
+    p.add_argument("--recipe-max-steps", type=int, default=900, help="the stopping rule's ceiling")
+    p.add_argument("--recipe-eval-steps", type=int, default=50, help="steps between the stopping rule's evaluations")
+    p.add_argument("--recipe-patience", type=int, default=3, help="evaluations without a better agreement")
+    p.add_argument("--recipe-heldout", type=int, default=400,
+                   help="unlabeled texts held out of distillation for the stopping rule")
     p.add_argument("--unlabeled", type=int, default=6000, help="unlabeled texts for distillation")
     p.add_argument("--sensitivity-steps", type=int, default=40, help="distillation steps per layer when ranking")
     p.add_argument("--embed-steps", type=int, default=150, help="distillation steps of the frozen-embedding rows")
@@ -88,6 +103,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.quick:
         args.labels, args.seeds, args.ks, args.all_seed_ks, args.embed_ks, args.epochs = 24, "0", "1", "1", "1", 1.0
         args.recipe_steps, args.unlabeled, args.sensitivity_steps, args.embed_steps = 2, 64, 2, 2
+        args.recipe_max_steps, args.recipe_eval_steps, args.recipe_heldout = 6, 2, 16
         args.knn_index, args.workers = 40, 1
     args.seeds = [int(s) for s in args.seeds.split(",")]
     args.ks = [int(k) for k in args.ks.split(",")]
@@ -145,7 +161,7 @@ def run_accuracy(args) -> None:
         if name == "teacher" and not os.path.isdir(teacher_dir(args, *params)):
             return True
         task, seed = params[0], params[1]
-        variant = {"teacher": "stock", "plain": "plain", "recipe": "recipe"}[name]
+        variant = {"teacher": "stock", "plain": "plain", "recipe": recipe_variant(args)}[name]
         selection, k = (params[2], params[3]) if name == "recipe" else (("last", 1) if name == "plain" else ("", 0))
         return (task, variant, selection, str(k), str(seed)) not in done_tasks
 
@@ -236,6 +252,9 @@ def summarise(rows: list[dict]) -> list[dict]:
             entry[f"{metric}_mean"] = round(statistics.fmean(values), 4)
             entry[f"{metric}_std"] = round(statistics.stdev(values), 4) if len(values) > 1 else 0.0
         entry["seconds_mean"] = round(statistics.fmean(float(m["seconds"]) for m in members), 1)
+        for field in ("steps_run", "best_step"):  # what the stopping rule chose (recipe-stop rows)
+            values = [float(m[field]) for m in members if m.get(field) not in (None, "")]
+            entry[f"{field}_mean"] = round(statistics.fmean(values), 1) if values else ""
         out.append(entry)
     return out
 
@@ -250,12 +269,14 @@ def plot(summary: list[dict], embeddings: list[dict], timing: list[dict], path: 
     for ax, task in zip(axes[:2], ("sentences", "headlines")):
         stock = [s for s in summary if s["task"] == task and s["variant"] == "stock"]
         plain = [s for s in summary if s["task"] == task and s["variant"] == "plain"]
-        for selection, marker in (("auto", "o"), ("last", "s")):
+        for variant, selection, marker in [(v, sel, m) for v in ("recipe", "recipe-stop")
+                                           for sel, m in (("auto", "o"), ("last", "s"))]:
             points = sorted((s["k"], s["accuracy_mean"], s["accuracy_std"]) for s in summary if s["task"] == task
-                            and s["variant"] == "recipe" and (s["selection"] == selection or s["k"] == 6))
+                            and s["variant"] == variant and (s["selection"] == selection or s["k"] == 6))
             if points:
                 ax.errorbar([p[0] for p in points], [p[1] for p in points], yerr=[p[2] for p in points],
-                            marker=marker, capsize=3, label=f"recipe, layers: {selection}")
+                            marker=marker, capsize=3, ls="-" if variant == "recipe" else ":",
+                            label=f"{variant}, layers: {selection}")
         if stock:
             ax.axhline(stock[0]["accuracy_mean"], color="black", ls="--", label="stock")
         if plain:
@@ -285,10 +306,10 @@ def report(args) -> None:
     harness.write_rows(out / SUMMARY_CSV, summary)
     embeddings, timing = harness.read_rows(out / EMBED_CSV), harness.read_rows(out / TIMING_CSV)
     plot(summary, embeddings, timing, out / PNG)
-    print(f"\n{'task':<10} {'variant':<7} {'sel':<5} {'K':>2} {'layers':<12} {'seeds':>5} {'accuracy':>16} "
+    print(f"\n{'task':<10} {'variant':<11} {'sel':<5} {'K':>2} {'layers':<12} {'seeds':>5} {'accuracy':>16} "
           f"{'macro-F1':>16}")
     for s in summary:
-        print(f"{s['task']:<10} {s['variant']:<7} {s['selection']:<5} {s['k']:>2} {s['layers']:<12} {s['seeds']:>5} "
+        print(f"{s['task']:<10} {s['variant']:<11} {s['selection']:<5} {s['k']:>2} {s['layers']:<12} {s['seeds']:>5} "
               f"{s['accuracy_mean']:>9.4f} ± {s['accuracy_std']:.4f} {s['macro_f1_mean']:>9.4f} ± "
               f"{s['macro_f1_std']:.4f}")
     for e in embeddings:

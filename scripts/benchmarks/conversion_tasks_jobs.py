@@ -64,21 +64,35 @@ def evaluate(model, tokenizer, rows, max_length) -> dict:
             "macro_f1": float(f1_score(truth, predicted, average="macro"))}
 
 
-def train_model(model, tokenizer, train_rows, args, seed, workdir, *, teacher=None, unlabeled=None, steps=None):
-    from transformers import DataCollatorWithPadding, Trainer, TrainingArguments
+def train_model(model, tokenizer, train_rows, args, seed, workdir, *, teacher=None, unlabeled=None, steps=None,
+                heldout=None):
+    """Fine-tune `model` (plain `Trainer`, or `PrimalTrainer` once it has primal layers); with a teacher, distil
+    on `unlabeled`. With `heldout` (unlabeled texts no step trains on), `steps` is a ceiling: the student is
+    evaluated every --recipe-eval-steps, training stops after --recipe-patience evaluations without a better
+    teacher agreement, and the best step's weights are restored (the recipe's stopping rule, docs/conversion.md)."""
+    from transformers import DataCollatorWithPadding, EarlyStoppingCallback, Trainer, TrainingArguments
 
     from hf_primal import PrimalTrainer
 
+    stopping = {}
+    if heldout is not None:
+        stopping = dict(eval_strategy="steps", eval_steps=args.recipe_eval_steps, save_strategy="steps",
+                        save_steps=args.recipe_eval_steps, save_total_limit=2, load_best_model_at_end=True,
+                        metric_for_best_model="teacher_agreement", per_device_eval_batch_size=128)
     training = TrainingArguments(
         output_dir=workdir, per_device_train_batch_size=args.batch_size, learning_rate=args.learning_rate,
         num_train_epochs=args.epochs, max_steps=steps or -1, warmup_steps=0.06, lr_scheduler_type="linear",
-        save_strategy="no", report_to=[], seed=seed, use_cpu=True, disable_tqdm=True, logging_steps=10**6)
+        report_to=[], seed=seed, use_cpu=True, disable_tqdm=True, logging_steps=10**6,
+        **({"save_strategy": "no"} | stopping))
     kwargs = {"model": model, "args": training, "train_dataset": tokenised(tokenizer, train_rows, args.max_length),
               "data_collator": DataCollatorWithPadding(tokenizer)}
     primal = getattr(model.config, "primal_attention", None) is not None
     if teacher is not None:
         kwargs.update(teacher=teacher, distill_target="logits",
                       distill_dataset=tokenised(tokenizer, unlabeled, args.max_length, labels=False))
+    if heldout is not None:
+        kwargs.update(eval_dataset=tokenised(tokenizer, heldout, args.max_length, labels=False),
+                      callbacks=[EarlyStoppingCallback(early_stopping_patience=args.recipe_patience)])
     (PrimalTrainer if primal else Trainer)(**kwargs).train()
     return model
 
@@ -143,12 +157,23 @@ def job_recipe(args, task_name, seed, selection, k):
     started = time.time()
     torch.manual_seed(seed)
     student = convert(copy.deepcopy(teacher), primal_spec(args, layers), progress=False)
+    stop = args.recipe_stop == "agreement"
+    # The stopping rule's held-out texts are the first --recipe-heldout unlabeled ones; distillation never sees them.
+    heldout = unlabeled[: args.recipe_heldout] if stop else None
+    unlabeled = unlabeled[args.recipe_heldout:] if stop else unlabeled
     with tempfile.TemporaryDirectory() as scratch:
         train_model(student, tokenizer, task.train, args, seed, scratch, teacher=teacher, unlabeled=unlabeled,
-               steps=args.recipe_steps)
-    return [{"task": task_name, "variant": "recipe", "selection": selection, "k": k,
+                    steps=args.recipe_max_steps if stop else args.recipe_steps, heldout=heldout)
+    trained = student.primal_conversion_report.get("training") or {}
+    return [{"task": task_name, "variant": recipe_variant(args), "selection": selection, "k": k,
              "layers": " ".join(map(str, layers)), "seed": seed, "seconds": round(time.time() - started, 1),
+             "steps_run": trained.get("steps_run", ""), "best_step": trained.get("best_step") or "",
              **evaluate(student, tokenizer, task.test, args.max_length)}]
+
+
+def recipe_variant(args) -> str:
+    """The rows' name for the recipe: `recipe` trains a fixed number of steps, `recipe-stop` follows agreement."""
+    return "recipe-stop" if args.recipe_stop == "agreement" else "recipe"
 
 
 def job_embeddings(args, selection, k):
