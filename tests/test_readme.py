@@ -283,7 +283,8 @@ def long_documents_headline(rows, summary) -> list[str]:
         by = {r["variant"]: r for r in _by(summary, n=2048, epochs=epochs)}
         acc = {v: f"{100 * float(by[v]['accuracy_mean']):.1f}%" for v in by}
         out.append(f"| topic of a BBC News article from its first 2048 bytes, trained from scratch "
-                   f"({by['primal']['seeds']} seeds, {float(epochs):g} epochs) | softmax {acc['sdpa']}, last layer primal {acc['primal-last']}, "
+                   f"({by['primal']['seeds']} seeds, {float(epochs):g} epochs) | softmax {acc['sdpa']}, "
+                   f"last layer primal {acc['primal-last']}, "
                    f"every layer primal {acc['primal']}, no attention {acc['no-attention']} "
                    f"| `long_documents_summary.csv` |")
     return out
@@ -332,7 +333,8 @@ def uncertainty_headline(summary) -> list[str]:
                    f"{float(kep['ood_auroc_mean']):.3f} vs {float(msp['ood_auroc_mean']):.3f}, accuracy "
                    f"{100 * float(kep['accuracy_mean']):.1f}% vs {100 * float(msp['accuracy_mean']):.1f}%, at "
                    f"{float(kep['relative_time_mean']):.0f}x one stock forward; a deep ensemble of 3: ECE "
-                   f"{100 * float(ens['ece_mean']):.1f}%, NLL {float(ens['nll_mean']):.3f} | `uncertainty_summary.csv` |")
+                   f"{100 * float(ens['ece_mean']):.1f}%, NLL {float(ens['nll_mean']):.3f} "
+                   f"| `uncertainty_summary.csv` |")
     return out
 
 
