@@ -42,7 +42,7 @@ memory of one training step above the pre-model baseline, in a fresh process per
 (``scripts/benchmarks/run_gpu.sh``); the timing phase takes minutes anywhere.
 
     pip install -e ".[bench]"
-    python -m scripts.benchmarks.long_documents                 # everything (two one-thread workers, about 2 h)
+    python -m scripts.benchmarks.long_documents                 # everything: on 2 CPU cores a day (a GPU: run_gpu.sh)
     python -m scripts.benchmarks.long_documents --only timing   # speed and memory alone (minutes on CPU)
     python -m scripts.benchmarks.long_documents --only train --variants sdpa,primal   # a part of the table; resumes
     python -m scripts.benchmarks.long_documents --only report   # summary and plot from the CSVs
