@@ -87,10 +87,13 @@ def test_quick_run_rows_feed_the_summary(tmp_path):
 
 
 def test_the_capacity_grid_reads_the_table_run_with_the_same_arguments_and_no_other(tmp_path):
-    table = {"n": "2048", "seed": "0", "status": "ok", "train_accuracy": "0.5", "val_accuracy": "0.6",
+    table = {"n": "2048", "seed": "0", "status": "ok", "epochs": "8.0", "train_accuracy": "0.5", "val_accuracy": "0.6",
              "accuracy": "0.55", "val_curve": ""}
-    fields = ["n", "variant", "seed", "status", "train_accuracy", "val_accuracy", "accuracy", "val_curve"]
-    rows = [{**table, "variant": "primal"}, {**table, "variant": "primal-last", "status": "failed"}]
+    fields = ["n", "variant", "seed", "status", "epochs", "train_accuracy", "val_accuracy", "accuracy", "val_curve"]
+    # The table's primal run at another budget, and one that records none: neither is the study's 8-epoch run.
+    rows = [{**table, "variant": "primal", "epochs": "16.0", "val_accuracy": "0.7"},
+            {**table, "variant": "primal", "epochs": "", "val_accuracy": "0.8"},
+            {**table, "variant": "primal"}, {**table, "variant": "primal-last", "status": "failed"}]
     with open(tmp_path / "long_documents.csv", "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=fields)
         writer.writeheader()
@@ -125,7 +128,7 @@ def test_the_budget_grid_shares_the_eight_epoch_runs_and_a_smoke_run_keeps_its_b
     args = study.parse_args(["--grid", "budget,lr", "--seeds", "0", "--sampling", "segment_mean", "--rank-multi", "1"])
     keys = [(v, study.setting_name(v, o)) for v, o, _ in study.planned(args)]
     assert len(keys) == len(set(keys))
-    # 8 epochs is the benchmark's budget: the same run as the lr grid's lr = 1e-3 one, named without epochs.
+    # 8 epochs is the study's recipe: the same run as the lr grid's lr = 1e-3 one, named without epochs.
     assert ("primal", "sampling=segment_mean,rank_multi=1") in keys and ("sdpa", "baseline") in keys
     assert ("primal", "sampling=segment_mean,rank_multi=1,epochs=32") in keys and ("no-attention", "epochs=16") in keys
     assert study._bench_args(args, {"epochs": 16.0}).epochs == 16.0

@@ -12,7 +12,8 @@ but never read to choose. Three grids:
   eps 1e-6, 40% warm-up: 8,000 of 20,000 steps), for sdpa, Primal., Primal.+ and no-attention alike;
 * ``data``: 25 / 50 / 100% of the training articles (stratified; the same number of steps) for the same four;
 * ``budget``: 8 / 16 / 32 epochs (41 steps each) for the same four, with the chosen primal rule: whether a variant
-  is limited by what it can learn or by the steps it gets (the table's budget is 8 epochs);
+  is limited by what it can learn or by the steps it gets (the study runs at 8 epochs; the table at 16, the budget
+  this grid chose on validation);
 * ``capacity``: segment means with m = 1, 2, 4 (p = m s slots) for Primal. and Primal.+, run at the table's length
   (``--length 2048``): with m = 1 each slot summarises N / s bytes, so the slot width grows with N; m = 4 at 2048
   keeps the width that won at 512. A run the long-document table already holds with the same arguments (its
@@ -144,14 +145,16 @@ def planned(args: argparse.Namespace) -> list[tuple[str, dict[str, Any], int]]:
 
 def from_table(args: argparse.Namespace, variant: str, overrides: dict[str, Any], seed: int) -> Optional[dict]:
     """The long-document table's run of (variant, N, seed) as a study row when the table trained it with exactly the
-    arguments this run would have (the table's own defaults), else None."""
+    arguments this run would have (the table's recipe, at this run's budget), else None."""
     table = task.parse_args(["--lengths", str(args.length)])
     table.sampling = table.sampling or PrimalAttentionConfig().sampling
     mine = _bench_args(args, overrides)
-    if any(getattr(mine, key) != getattr(table, key) for key in DEFAULTS):
+    # The table keeps runs of several budgets side by side, each row naming its own; a row without one is not reused.
+    if any(getattr(mine, key) != getattr(table, key) for key in DEFAULTS if key != "epochs"):
         return None
     for row in harness.read_rows(Path(args.out_dir) / task.RUNS_CSV):
-        if (row["variant"], row["n"], row["seed"], row["status"]) == (variant, str(args.length), str(seed), "ok"):
+        if ((row["variant"], row["n"], row["seed"], row["status"]) == (variant, str(args.length), str(seed), "ok")
+                and row.get("epochs") not in (None, "") and float(row["epochs"]) == float(mine.epochs)):
             return {"setting": setting_name(variant, overrides), **row}
     return None
 
