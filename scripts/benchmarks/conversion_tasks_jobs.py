@@ -14,9 +14,12 @@ from pathlib import Path
 
 import torch
 
-from . import bbc_news, minilm
+from . import bbc_news, minilm, movie_reviews
 
 SENSITIVITY_JSON = "conversion_sensitivity.json"
+# Each task's corpus: the layer ranking and the unlabeled distillation text are the corpus's, shared by its tasks.
+CORPUS = {"sentences": "bbc", "headlines": "bbc", "reviews": "reviews"}
+CLASSES = {"bbc": len(bbc_news.TOPICS), "reviews": len(movie_reviews.LABELS)}
 
 
 def setup():
@@ -33,12 +36,25 @@ def primal_spec(args, layers):
     return PrimalAttentionConfig(layers=list(layers), low_rank=args.low_rank, rank_multi=args.rank_multi, eta=args.eta)
 
 
-def task_data(args):
-    tasks, unlabeled = bbc_news.load_tasks(args.labels, seed=0, test_size=1075 if not args.quick else 60)
+def sensitivity_file(corpus: str) -> str:
+    return SENSITIVITY_JSON if corpus == "bbc" else f"conversion_sensitivity_{corpus}.json"
+
+
+def label_budget(args, task_name: str) -> int:
+    return args.reviews_labels if task_name == "reviews" else args.labels
+
+
+def task_data(args, task_name):
+    """(task, unlabeled texts of its corpus) of one task of the benchmark."""
+    if CORPUS[task_name] == "reviews":
+        task, unlabeled = movie_reviews.load_task(args.reviews_labels, seed=0, test_size=2000 if not args.quick else 60,
+                                                  path=args.reviews_file)
+    else:
+        tasks, unlabeled = bbc_news.load_tasks(args.labels, seed=0, test_size=1075 if not args.quick else 60)
+        task = tasks[task_name]
     if args.quick:
-        for task in tasks.values():
-            task.test = task.test[:60]
-    return tasks, unlabeled[: args.unlabeled]
+        task.test = task.test[:60]
+    return task, unlabeled[: args.unlabeled]
 
 
 def tokenised(tokenizer, rows, max_length, labels=True):
@@ -102,11 +118,11 @@ def job_teacher(args, task_name, seed):
 
     from hf_primal.tools.data import minilm_path
 
-    tasks, _ = task_data(args)
-    tokenizer, task = minilm.tokenizer(), tasks[task_name]
+    task, _ = task_data(args, task_name)
+    tokenizer = minilm.tokenizer()
     started = time.time()
     torch.manual_seed(seed)
-    model = BertForSequenceClassification.from_pretrained(minilm_path(), num_labels=len(bbc_news.TOPICS))
+    model = BertForSequenceClassification.from_pretrained(minilm_path(), num_labels=CLASSES[CORPUS[task_name]])
     with tempfile.TemporaryDirectory() as scratch:
         train_model(model, tokenizer, task.train, args, seed, scratch)
     model.save_pretrained(teacher_dir(args, task_name, seed))
@@ -119,11 +135,11 @@ def job_plain(args, task_name, seed):
 
     from hf_primal.tools.data import minilm_path
 
-    tasks, _ = task_data(args)
-    tokenizer, task = minilm.tokenizer(), tasks[task_name]
+    task, _ = task_data(args, task_name)
+    tokenizer = minilm.tokenizer()
     started = time.time()
     torch.manual_seed(seed)
-    model = BertForSequenceClassification.from_pretrained(minilm_path(), num_labels=len(bbc_news.TOPICS),
+    model = BertForSequenceClassification.from_pretrained(minilm_path(), num_labels=CLASSES[CORPUS[task_name]],
                                                           primal_attention=primal_spec(args, [-1]))
     with tempfile.TemporaryDirectory() as scratch:
         train_model(model, tokenizer, task.train, args, seed, scratch)
@@ -131,49 +147,83 @@ def job_plain(args, task_name, seed):
              "seconds": round(time.time() - started, 1), **evaluate(model, tokenizer, task.test, args.max_length)}]
 
 
-def job_sensitivity(args):
+def job_sensitivity(args, corpus="bbc"):
+    """The layer ranking of `layer_sensitivity` on the unlabeled text of one corpus (its tasks' "auto" layers)."""
     from transformers import BertModel
 
     from hf_primal import layer_sensitivity, text_batches
     from hf_primal.tools.data import minilm_path
 
-    _, unlabeled = task_data(args)
+    _, unlabeled = task_data(args, next(t for t, c in CORPUS.items() if c == corpus))
     batches = text_batches(minilm.tokenizer(), unlabeled[:1600], 32, args.max_length)  # 40 to train on, 10 held out
     sensitivity = layer_sensitivity(BertModel.from_pretrained(minilm_path()), batches, primal_spec(args, [-1]),
                                     steps=args.sensitivity_steps, progress=False)
-    Path(args.out_dir, SENSITIVITY_JSON).write_text(json.dumps(sensitivity.to_dict(), indent=1))
+    Path(args.out_dir, sensitivity_file(corpus)).write_text(json.dumps(sensitivity.to_dict(), indent=1))
     return []
 
 
 def job_recipe(args, task_name, seed, selection, k):
     from transformers import BertForSequenceClassification
 
-    from hf_primal import convert
-
-    tasks, unlabeled = task_data(args)
-    tokenizer, task = minilm.tokenizer(), tasks[task_name]
-    layers = chosen_layers(args, selection, k)
+    task, unlabeled = task_data(args, task_name)
+    tokenizer = minilm.tokenizer()
+    order = conversion_order(args, selection, k, CORPUS[task_name])
     teacher = BertForSequenceClassification.from_pretrained(teacher_dir(args, task_name, seed)).eval()
     started = time.time()
     torch.manual_seed(seed)
-    student = convert(copy.deepcopy(teacher), primal_spec(args, layers), progress=False)
     stop = args.recipe_stop == "agreement"
     # The stopping rule's held-out texts are the first --recipe-heldout unlabeled ones; distillation never sees them.
     heldout = unlabeled[: args.recipe_heldout] if stop else None
     unlabeled = unlabeled[args.recipe_heldout:] if stop else unlabeled
     with tempfile.TemporaryDirectory() as scratch:
-        train_model(student, tokenizer, task.train, args, seed, scratch, teacher=teacher, unlabeled=unlabeled,
-                    steps=args.recipe_max_steps if stop else args.recipe_steps, heldout=heldout)
+        def distil(model, steps, heldout=None):
+            train_model(model, tokenizer, task.train, args, seed, scratch, teacher=teacher, unlabeled=unlabeled,
+                        steps=steps, heldout=heldout)
+
+        student = progressive_student(teacher, order if args.recipe_progressive else [order],
+                                      lambda layers: primal_spec(args, layers), distil, args.progressive_steps)
+        distil(student, args.recipe_max_steps if stop else args.recipe_steps, heldout)
     trained = student.primal_conversion_report.get("training") or {}
     return [{"task": task_name, "variant": recipe_variant(args), "selection": selection, "k": k,
-             "layers": " ".join(map(str, layers)), "seed": seed, "seconds": round(time.time() - started, 1),
-             "steps_run": trained.get("steps_run", ""), "best_step": trained.get("best_step") or "",
-             **evaluate(student, tokenizer, task.test, args.max_length)}]
+             "layers": " ".join(map(str, sorted(order))), "order": " ".join(map(str, order)), "seed": seed,
+             "seconds": round(time.time() - started, 1), "steps_run": trained.get("steps_run", ""),
+             "best_step": trained.get("best_step") or "", **evaluate(student, tokenizer, task.test, args.max_length)}]
+
+
+def progressive_student(teacher, stages, spec_of, distil, steps):
+    """A copy of `teacher` converted stage by stage: `stages` lists layer indices (or lists of them) in the order
+    they become primal; after each stage but the last the student is distilled for `steps` steps, and the next stage
+    starts from it (its trained weights carried over, the newly converted layer's own primal weights fresh)."""
+    from hf_primal import convert
+
+    student, done = None, []
+    for i, stage in enumerate(stages):
+        done += list(stage) if isinstance(stage, (list, tuple)) else [stage]
+        new = convert(copy.deepcopy(teacher), spec_of(sorted(done)), progress=False)
+        if student is not None:
+            missing, _ = new.load_state_dict(student.state_dict(), strict=False)  # the value projections go
+            fresh = [name for name in missing if ".primal." not in name]
+            if fresh:
+                raise RuntimeError(f"progressive conversion: weights not carried over: {fresh[:5]}")
+        student = new
+        if i < len(stages) - 1:
+            distil(student, steps)
+    return student
+
+
+def conversion_order(args, selection, k, corpus="bbc") -> list[int]:
+    """The K layers of a row in the order a progressive conversion converts them: the measured ranking's (cheapest
+    first) for "auto", from the top layer down for "last"."""
+    if selection == "last":
+        return list(range(5, 5 - k, -1))
+    return json.loads(Path(args.out_dir, sensitivity_file(corpus)).read_text())["ranking"][:k]
 
 
 def recipe_variant(args) -> str:
-    """The rows' name for the recipe: `recipe` trains a fixed number of steps, `recipe-stop` follows agreement."""
-    return "recipe-stop" if args.recipe_stop == "agreement" else "recipe"
+    """The rows' name for the recipe: `recipe` trains a fixed number of steps, `recipe-stop` follows agreement; a
+    progressive conversion adds ``-progressive``."""
+    return ("recipe-stop" if args.recipe_stop == "agreement" else "recipe") + (
+        "-progressive" if getattr(args, "recipe_progressive", False) else "")
 
 
 def job_embeddings(args, selection, k):
@@ -182,11 +232,11 @@ def job_embeddings(args, selection, k):
     from hf_primal import convert, knn_accuracy, neighbour_overlap, text_batches
     from hf_primal.tools.data import minilm_path
 
-    tasks, unlabeled = task_data(args)
+    sentences, unlabeled = task_data(args, "sentences")
     tokenizer = minilm.tokenizer()
     index_rows, _ = bbc_news.load_tasks(args.knn_index + args.labels, seed=0)
     index_rows = index_rows["sentences"].train[: args.knn_index]
-    queries = tasks["sentences"].test
+    queries = sentences.test
     original = BertModel.from_pretrained(minilm_path())
     ref_index, ref_queries = (embed(original, tokenizer, [r[0] for r in rows], args.max_length)
                               for rows in (index_rows, queries))
@@ -215,17 +265,15 @@ def embed(model, tokenizer, texts, max_length) -> torch.Tensor:
     return minilm.embeddings(model, tokenizer, texts, max_length, batch_size=128)
 
 
-def chosen_layers(args, selection, k, num_layers=6) -> list[int]:
-    if selection == "last":
-        return list(range(num_layers - k, num_layers))
-    ranking = json.loads(Path(args.out_dir, SENSITIVITY_JSON).read_text())["ranking"]
-    return sorted(ranking[:k])
+def chosen_layers(args, selection, k, corpus="bbc") -> list[int]:
+    """The K layers a row converts: the last K, or the K cheapest of the corpus's measured ranking ("auto")."""
+    return sorted(conversion_order(args, selection, k, corpus))
 
 
 def teacher_dir(args, task_name, seed) -> str:
     # Named by everything that shapes the teacher, so a run with other settings never reuses it.
-    settings = (f"labels{args.labels}_epochs{args.epochs:g}_lr{args.learning_rate:g}_bs{args.batch_size}_"
-                f"len{args.max_length}")
+    settings = (f"labels{label_budget(args, task_name)}_epochs{args.epochs:g}_lr{args.learning_rate:g}_"
+                f"bs{args.batch_size}_len{args.max_length}")
     return os.path.join(args.work_dir, f"teacher_{task_name}_{seed}_{settings}")
 
 
