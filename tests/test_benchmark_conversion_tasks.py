@@ -103,6 +103,14 @@ def quick_run(tmp_path_factory):
         cwd=ROOT, capture_output=True, text=True, timeout=1500,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    # Recipe options beside the recipe, on one task: their rows are keyed by the options, the recipe's stay.
+    result = subprocess.run(
+        [sys.executable, "-m", "scripts.benchmarks.conversion_tasks", "--quick", "--only", "accuracy", "--tasks",
+         "headlines", "--recipe-progressive", "--warm-start", "transfer", "--rank-multi", "1", "--out-dir", str(out),
+         "--work-dir", str(out / "teachers")],
+        cwd=ROOT, capture_output=True, text=True, timeout=1500,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
     def read(name):
         with open(out / name, newline="") as handle:
@@ -169,6 +177,20 @@ def test_quick_run_records_what_the_stopping_rule_chose(quick_run):
     assert all(r["steps_run"] == "2" and r["best_step"] == "" for r in fixed)
     for r in stopped:  # --quick: evaluations every 2 steps, at most 6 steps
         assert int(r["best_step"]) in (2, 4, 6) and int(r["best_step"]) <= int(r["steps_run"]) <= 6
+
+
+def test_quick_run_keeps_rows_of_other_options_apart(quick_run):
+    out, read = quick_run
+    rows = read("conversion_tasks.csv")
+    tried = [r for r in rows if r["options"]]
+    assert {(r["task"], r["variant"], r["options"], r["selection"]) for r in tried} == {
+        ("headlines", "recipe", "progressive transfer=2 rank_multi=1", s) for s in ("auto", "last")}
+    # The recipe's own rows are still there, one per task and selection, and each row has a validation accuracy.
+    plain_recipe = [r for r in rows if r["variant"] == "recipe" and not r["options"]]
+    assert len(plain_recipe) == 6 and all(0 <= float(r["val_accuracy"]) <= 1 for r in rows)
+    summary = read("conversion_tasks_summary.csv")
+    assert {s["options"] for s in summary if s["task"] == "headlines" and s["variant"] == "recipe"} == {
+        "", "progressive transfer=2 rank_multi=1"}
 
 
 def test_quick_run_embedding_measures(quick_run):

@@ -51,6 +51,7 @@ from pathlib import Path
 from . import harness
 from .conversion_tasks_jobs import (
     CORPUS,
+    recipe_options,
     recipe_variant,
     run_job,
     sensitivity_file,
@@ -86,8 +87,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "unlabeled text, up to --recipe-max-steps, best step restored (rows `recipe-stop`)")
     p.add_argument("--recipe-progressive", action="store_true",
                    help="convert the K layers one at a time in the measured order (--progressive-steps of "
-                        "distillation after each but the last), then the recipe (rows `...-progressive`)")
+                        "distillation after each but the last), then the recipe (rows with options `progressive`)")
     p.add_argument("--progressive-steps", type=int, default=50, help="distillation steps after each stage")
+    p.add_argument("--warm-start", choices=("none", "transfer"), default="none",
+                   help="transfer: attention transfer (convert(method='transfer')) on unlabeled text before the "
+                        "recipe's distillation (rows with options `transfer=<steps>`)")
+    p.add_argument("--warm-start-steps", type=int, default=100)
     p.add_argument("--recipe-max-steps", type=int, default=900, help="the stopping rule's ceiling")
     p.add_argument("--recipe-eval-steps", type=int, default=50, help="steps between the stopping rule's evaluations")
     p.add_argument("--recipe-patience", type=int, default=3, help="evaluations without a better agreement")
@@ -100,6 +105,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-length", type=int, default=64)
     p.add_argument("--low-rank", type=int, default=30)
     p.add_argument("--rank-multi", type=int, default=10)
+    p.add_argument("--sampling", default=None, help="the primal layers' sampling rule (default: the library's)")
     p.add_argument("--eta", type=float, default=0.1)
     p.add_argument("--workers", type=int, default=2, help="one-thread worker processes")
     p.add_argument("--timing-threads", type=int, default=2, help="threads of the timing phase (run alone)")
@@ -116,7 +122,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.reviews_labels = 24
         args.recipe_steps, args.unlabeled, args.sensitivity_steps, args.embed_steps = 2, 64, 2, 2
         args.recipe_max_steps, args.recipe_eval_steps, args.recipe_heldout = 6, 2, 16
-        args.progressive_steps = 2
+        args.progressive_steps, args.warm_start_steps = 2, 2
         args.knn_index, args.workers = 40, 1
     args.tasks = [t for t in args.tasks.split(",") if t]
     if not args.tasks or set(args.tasks) - set(CORPUS):
@@ -157,7 +163,7 @@ def accuracy_jobs(args) -> tuple[list, list]:
 
 
 def _key(row) -> tuple:
-    return tuple(str(row.get(c, "")) for c in ("task", "variant", "selection", "k", "seed"))
+    return tuple(str(row.get(c, "")) for c in ("task", "variant", "options", "selection", "k", "seed"))
 
 
 def run_accuracy(args) -> None:
@@ -177,8 +183,9 @@ def run_accuracy(args) -> None:
             return True
         task, seed = params[0], params[1]
         variant = {"teacher": "stock", "plain": "plain", "recipe": recipe_variant(args)}[name]
+        options = recipe_options(args) if name == "recipe" else ""
         selection, k = (params[2], params[3]) if name == "recipe" else (("last", 1) if name == "plain" else ("", 0))
-        return (task, variant, selection, str(k), str(seed)) not in done_tasks
+        return (task, variant, options, selection, str(k), str(seed)) not in done_tasks
 
     # One fresh one-thread process per job (nothing carries over between variants); --workers 1 runs them here.
     for phase, jobs in (("teachers, plain, ranking", first), ("recipes, embeddings", second)):
@@ -200,22 +207,24 @@ def run_timing_phase(args) -> None:
 
 # ---------------------------------------------------------------------------------------------- report
 def summarise(rows: list[dict]) -> list[dict]:
-    """Mean and sample std over seeds of accuracy and macro-F1, per task / variant / selection / K."""
+    """Mean and sample std over seeds of accuracy and macro-F1, per task / variant / options / selection / K."""
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
-        groups.setdefault((row["task"], row["variant"], row["selection"], int(row["k"])), []).append(row)
+        key = (row["task"], row["variant"], row.get("options") or "", row["selection"], int(row["k"]))
+        groups.setdefault(key, []).append(row)
     out = []
-    for (task, variant, selection, k), members in sorted(groups.items()):
-        entry = {"task": task, "variant": variant, "selection": selection, "k": k, "layers": members[0]["layers"],
-                 "seeds": len(members)}
+    for (task, variant, options, selection, k), members in sorted(groups.items()):
+        entry = {"task": task, "variant": variant, "options": options, "selection": selection, "k": k,
+                 "layers": members[0]["layers"], "seeds": len(members)}
         for metric in ("accuracy", "macro_f1"):
             values = [float(m[metric]) for m in members]
             entry[f"{metric}_mean"] = round(statistics.fmean(values), 4)
             entry[f"{metric}_std"] = round(statistics.stdev(values), 4) if len(values) > 1 else 0.0
         entry["seconds_mean"] = round(statistics.fmean(float(m["seconds"]) for m in members), 1)
-        for field in ("steps_run", "best_step"):  # what the stopping rule chose (recipe-stop rows)
+        for field in ("val_accuracy", "steps_run", "best_step"):  # where recorded (the stopping rule: recipe-stop)
             values = [float(m[field]) for m in members if m.get(field) not in (None, "")]
-            entry[f"{field}_mean"] = round(statistics.fmean(values), 1) if values else ""
+            digits = 4 if field == "val_accuracy" else 1
+            entry[f"{field}_mean"] = round(statistics.fmean(values), digits) if values else ""
         out.append(entry)
     return out
 
@@ -234,7 +243,8 @@ def plot(summary: list[dict], embeddings: list[dict], timing: list[dict], path: 
         for variant, selection, marker in [(v, sel, m) for v in ("recipe", "recipe-stop")
                                            for sel, m in (("auto", "o"), ("last", "s"))]:
             points = sorted((s["k"], s["accuracy_mean"], s["accuracy_std"]) for s in summary if s["task"] == task
-                            and s["variant"] == variant and (s["selection"] == selection or s["k"] == 6))
+                            and s["variant"] == variant and not s["options"]
+                            and (s["selection"] == selection or s["k"] == 6))
             if points:
                 ax.errorbar([p[0] for p in points], [p[1] for p in points], yerr=[p[2] for p in points],
                             marker=marker, capsize=3, ls="-" if variant == "recipe" else ":",

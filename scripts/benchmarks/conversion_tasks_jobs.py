@@ -33,7 +33,9 @@ def setup():
 def primal_spec(args, layers):
     from hf_primal import PrimalAttentionConfig
 
-    return PrimalAttentionConfig(layers=list(layers), low_rank=args.low_rank, rank_multi=args.rank_multi, eta=args.eta)
+    sampling = {"sampling": args.sampling} if getattr(args, "sampling", None) else {}
+    return PrimalAttentionConfig(layers=list(layers), low_rank=args.low_rank, rank_multi=args.rank_multi, eta=args.eta,
+                                 **sampling)
 
 
 def sensitivity_file(corpus: str) -> str:
@@ -127,7 +129,7 @@ def job_teacher(args, task_name, seed):
         train_model(model, tokenizer, task.train, args, seed, scratch)
     model.save_pretrained(teacher_dir(args, task_name, seed))
     return [{"task": task_name, "variant": "stock", "selection": "", "k": 0, "layers": "", "seed": seed,
-             "seconds": round(time.time() - started, 1), **evaluate(model, tokenizer, task.test, args.max_length)}]
+             "seconds": round(time.time() - started, 1), **scores(model, tokenizer, task, args)}]
 
 
 def job_plain(args, task_name, seed):
@@ -144,7 +146,7 @@ def job_plain(args, task_name, seed):
     with tempfile.TemporaryDirectory() as scratch:
         train_model(model, tokenizer, task.train, args, seed, scratch)
     return [{"task": task_name, "variant": "plain", "selection": "last", "k": 1, "layers": "5", "seed": seed,
-             "seconds": round(time.time() - started, 1), **evaluate(model, tokenizer, task.test, args.max_length)}]
+             "seconds": round(time.time() - started, 1), **scores(model, tokenizer, task, args)}]
 
 
 def job_sensitivity(args, corpus="bbc"):
@@ -175,31 +177,45 @@ def job_recipe(args, task_name, seed, selection, k):
     # The stopping rule's held-out texts are the first --recipe-heldout unlabeled ones; distillation never sees them.
     heldout = unlabeled[: args.recipe_heldout] if stop else None
     unlabeled = unlabeled[args.recipe_heldout:] if stop else unlabeled
+    warm = {}
+    if args.warm_start == "transfer":  # attention transfer on unlabeled text before any distillation
+        from hf_primal import text_batches
+
+        warm = dict(calibration_data=text_batches(tokenizer, unlabeled[:1600], 32, args.max_length),
+                    method="transfer", steps=args.warm_start_steps)
     with tempfile.TemporaryDirectory() as scratch:
         def distil(model, steps, heldout=None):
             train_model(model, tokenizer, task.train, args, seed, scratch, teacher=teacher, unlabeled=unlabeled,
                         steps=steps, heldout=heldout)
 
         student = progressive_student(teacher, order if args.recipe_progressive else [order],
-                                      lambda layers: primal_spec(args, layers), distil, args.progressive_steps)
+                                      lambda layers: primal_spec(args, layers), distil, args.progressive_steps, warm)
         distil(student, args.recipe_max_steps if stop else args.recipe_steps, heldout)
     trained = student.primal_conversion_report.get("training") or {}
-    return [{"task": task_name, "variant": recipe_variant(args), "selection": selection, "k": k,
-             "layers": " ".join(map(str, sorted(order))), "order": " ".join(map(str, order)), "seed": seed,
-             "seconds": round(time.time() - started, 1), "steps_run": trained.get("steps_run", ""),
-             "best_step": trained.get("best_step") or "", **evaluate(student, tokenizer, task.test, args.max_length)}]
+    return [{"task": task_name, "variant": recipe_variant(args), "options": recipe_options(args),
+             "selection": selection, "k": k, "layers": " ".join(map(str, sorted(order))),
+             "order": " ".join(map(str, order)), "seed": seed, "seconds": round(time.time() - started, 1),
+             "steps_run": trained.get("steps_run", ""), "best_step": trained.get("best_step") or "",
+             **scores(student, tokenizer, task, args)}]
 
 
-def progressive_student(teacher, stages, spec_of, distil, steps):
+def scores(model, tokenizer, task, args) -> dict:
+    """Test accuracy and macro-F1, and validation accuracy (what settings are chosen on)."""
+    validation = evaluate(model, tokenizer, task.validation, args.max_length)["accuracy"]
+    return {**evaluate(model, tokenizer, task.test, args.max_length), "val_accuracy": validation}
+
+
+def progressive_student(teacher, stages, spec_of, distil, steps, convert_options=None):
     """A copy of `teacher` converted stage by stage: `stages` lists layer indices (or lists of them) in the order
     they become primal; after each stage but the last the student is distilled for `steps` steps, and the next stage
-    starts from it (its trained weights carried over, the newly converted layer's own primal weights fresh)."""
+    starts from it (its trained weights carried over, the newly converted layer's own primal weights fresh).
+    `convert_options` go to each stage's `convert` (an attention-transfer warm start, say)."""
     from hf_primal import convert
 
     student, done = None, []
     for i, stage in enumerate(stages):
         done += list(stage) if isinstance(stage, (list, tuple)) else [stage]
-        new = convert(copy.deepcopy(teacher), spec_of(sorted(done)), progress=False)
+        new = convert(copy.deepcopy(teacher), spec_of(sorted(done)), progress=False, **(convert_options or {}))
         if student is not None:
             missing, _ = new.load_state_dict(student.state_dict(), strict=False)  # the value projections go
             fresh = [name for name in missing if ".primal." not in name]
@@ -220,10 +236,18 @@ def conversion_order(args, selection, k, corpus="bbc") -> list[int]:
 
 
 def recipe_variant(args) -> str:
-    """The rows' name for the recipe: `recipe` trains a fixed number of steps, `recipe-stop` follows agreement; a
-    progressive conversion adds ``-progressive``."""
-    return ("recipe-stop" if args.recipe_stop == "agreement" else "recipe") + (
-        "-progressive" if getattr(args, "recipe_progressive", False) else "")
+    """The rows' name for the recipe: `recipe` trains a fixed number of steps, `recipe-stop` follows agreement."""
+    return "recipe-stop" if args.recipe_stop == "agreement" else "recipe"
+
+
+def recipe_options(args) -> str:
+    """What a recipe row changes from the benchmark's recipe ("" for none): progressive conversion, an
+    attention-transfer warm start, the primal layers' sampling rule and slots."""
+    parts = (["progressive"] if args.recipe_progressive else []) + (
+        [f"transfer={args.warm_start_steps}"] if args.warm_start == "transfer" else [])
+    parts += [f"sampling={args.sampling}"] if args.sampling else []
+    parts += [f"rank_multi={args.rank_multi}"] if args.rank_multi != 10 else []
+    return " ".join(parts)
 
 
 def job_embeddings(args, selection, k):
