@@ -126,7 +126,7 @@ def _recipe_as_documented(rows) -> list[dict]:
 def conversion_tasks_rows(summary) -> list[str]:
     """docs/conversion.md's small-label table, from scripts/benchmarks/results/conversion_tasks_summary.csv."""
     out = []
-    summary = _recipe_as_documented(summary)
+    summary = [r for r in _recipe_as_documented(summary) if r["task"] in ("sentences", "headlines")]
     keys = sorted({(r["variant"], r["selection"], int(r["k"])) for r in summary},
                   key=lambda v: (("stock", "plain", "recipe", "recipe-stop").index(v[0]), v[2], v[1]))
     for variant, selection, k in keys:
@@ -138,6 +138,15 @@ def conversion_tasks_rows(summary) -> list[str]:
         layers = _by(summary, variant=variant, selection=selection, k=k)[0]["layers"]
         out.append(f"| {variant} | {selection or '-'} | {k} | {layers or '-'} | {cells[0]} | {cells[1]} |")
     return out
+
+
+def conversion_reviews_rows(summary) -> list[str]:
+    """docs/conversion.md's table of the movie-review task, from conversion_tasks_summary.csv."""
+    rows = [r for r in _recipe_as_documented(summary) if r["task"] == "reviews"]
+    order = ("stock", "plain", "recipe", "recipe-stop")
+    rows.sort(key=lambda r: (order.index(r["variant"]), int(r["k"]), r["selection"]))
+    return [f"| {r['variant']} | {r['selection'] or '-'} | {r['k']} | {r['layers'] or '-'} | {r['seeds']} | "
+            f"{_pct(r['accuracy_mean'])} | {_pct(r['val_accuracy_mean'])} |" for r in rows]
 
 
 def selection_vs_last_rows(rows) -> list[str]:
@@ -365,6 +374,10 @@ def test_conversion_and_headline_figures_are_those_of_the_results_files():
     results = ROOT / "scripts" / "benchmarks" / "results"
     conversion = (ROOT / "docs" / "conversion.md").read_text(encoding="utf-8")
     for line in conversion_tasks_rows(_csv_rows(results / "conversion_tasks_summary.csv")):
+        assert line in conversion, line
+    reviews = conversion_reviews_rows(_csv_rows(results / "conversion_tasks_summary.csv"))
+    assert reviews
+    for line in reviews:
         assert line in conversion, line
     for line in conversion_embedding_rows(_csv_rows(results / "conversion_embeddings.csv")):
         assert line in conversion, line
