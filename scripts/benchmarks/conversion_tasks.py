@@ -19,9 +19,10 @@ Rows of ``conversion_tasks.csv`` (test split, per seed; every variant fine-tunes
   never sees, evaluated every ``--recipe-eval-steps``, stopped after ``--recipe-patience`` evaluations without a
   better one (at most ``--recipe-max-steps``), the best step restored; the row records the steps run and the step
   kept.
-* ``...-progressive`` (``--recipe-progressive``): either, after a progressive conversion: the K layers made primal
-  one at a time in the order they are chosen (the measured ranking, cheapest first; for ``last``, from the top
-  down), with ``--progressive-steps`` of the same distillation after each but the last; ``order`` records it.
+* recipe options (rows of their own, named in the ``options`` column): ``--recipe-progressive`` makes the K layers
+  primal one at a time in the order they are chosen (the measured ranking, cheapest first; for ``last``, from the top
+  down), with ``--progressive-steps`` of the same distillation after each but the last (``order`` records it);
+  ``--warm-start transfer``, ``--sampling`` and ``--rank-multi`` likewise.
 
 ``conversion_embeddings.csv``: the frozen pretrained encoder converted at K layers with ``convert(...,
 method="distill")`` on the unlabeled text; on held-out sentences, the mean-pooled embedding cosine with the original,

@@ -71,6 +71,7 @@ from .long_documents_task import (
     TRAINED,
     eager_job,
     parse_args,
+    run_epochs,
     train_job,
 )
 
@@ -92,13 +93,8 @@ def jobs(args: argparse.Namespace) -> list[tuple[str, int, int]]:
     return [job for job in out if job[0] in chosen]
 
 
-def _epochs(row: dict) -> Optional[float]:
-    """The training budget of a run (None for a run that records none): runs of different budgets are kept apart."""
-    return None if row.get("epochs") in (None, "") else float(row["epochs"])
-
-
 def _key(row: dict) -> tuple[str, str, str, Optional[float]]:
-    return str(row["variant"]), str(row["n"]), str(row["seed"]), _epochs(row)
+    return str(row["variant"]), str(row["n"]), str(row["seed"]), run_epochs(row)
 
 
 def pending(args: argparse.Namespace, rows: list[dict]) -> list[tuple[str, int, int]]:
@@ -133,11 +129,11 @@ def summarise(rows: list[dict]) -> list[dict[str, Any]]:
     ok = [row for row in rows if row.get("status") == "ok"]
     budgets: dict[int, set[float]] = {int(row["n"]): set() for row in ok}
     for row in ok:
-        budgets[int(row["n"])].update({_epochs(row)} - {None})
+        budgets[int(row["n"])].update({run_epochs(row)} - {None})
     groups: dict[tuple[int, Optional[float], str], list[dict]] = {}
     for row in ok:
         n = int(row["n"])
-        for epochs in [_epochs(row)] if _epochs(row) is not None else sorted(budgets[n]) or [None]:
+        for epochs in [run_epochs(row)] if run_epochs(row) is not None else sorted(budgets[n]) or [None]:
             groups.setdefault((n, epochs, row["variant"]), []).append(row)
     order = {v: i for i, v in enumerate(("sdpa", "sdpa-dropout", "eager") + TRAINED[1:])}
     for (n, epochs, variant), runs in sorted(groups.items(),

@@ -154,7 +154,7 @@ def from_table(args: argparse.Namespace, variant: str, overrides: dict[str, Any]
         return None
     for row in harness.read_rows(Path(args.out_dir) / task.RUNS_CSV):
         if ((row["variant"], row["n"], row["seed"], row["status"]) == (variant, str(args.length), str(seed), "ok")
-                and row.get("epochs") not in (None, "") and float(row["epochs"]) == float(mine.epochs)):
+                and task.run_epochs(row) == float(mine.epochs)):
             return {"setting": setting_name(variant, overrides), **row}
     return None
 

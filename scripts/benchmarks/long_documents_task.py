@@ -32,6 +32,12 @@ PRIMAL = {"primal": {"layers": "all", "low_rank": 20, "eta": 0.05},
 PAD, VOCAB = 0, 257  # byte b is token b + 1
 
 
+def run_epochs(row: dict) -> Optional[float]:
+    """The training budget a result row records (None for a row that records none): runs of different budgets are
+    different runs."""
+    return None if row.get("epochs") in (None, "") else float(row["epochs"])
+
+
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", default="2048,4096", help="document lengths N in bytes (the first is the main table)")
