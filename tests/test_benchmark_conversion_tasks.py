@@ -297,3 +297,16 @@ def test_progressive_conversion_converts_in_the_given_order_and_carries_trained_
     stages.clear()
     at_once = progressive_student(teacher, [[2, 0, 3]], spec_of, distil, steps=7)
     assert stages == [] and PrimalAttentionConfig.coerce(at_once.config.primal_attention).layers == [0, 2, 3]
+
+
+def test_last_layers_count_down_from_the_checkpoints_top_layer():
+    from transformers import AutoConfig
+
+    from hf_primal.tools.data import minilm_path
+    from scripts.benchmarks import minilm
+    from scripts.benchmarks.conversion_tasks_jobs import conversion_order
+
+    top = AutoConfig.from_pretrained(minilm_path()).num_hidden_layers - 1
+    assert minilm.LAYERS == top + 1  # "every layer" is K = LAYERS
+    assert conversion_order(None, "last", 1) == [top]
+    assert conversion_order(None, "last", 3) == [top, top - 1, top - 2]

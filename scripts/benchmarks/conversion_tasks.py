@@ -49,7 +49,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import harness
+from . import harness, minilm
 from .conversion_tasks_jobs import (
     CORPUS,
     recipe_options,
@@ -148,7 +148,7 @@ def accuracy_jobs(args) -> tuple[list, list]:
     first += [(kind, (task, seed)) for task in args.tasks for seed in args.seeds for kind in ("teacher", "plain")]
     second, seen = [], set()
     pairs = [(k, selection) for k in args.ks for selection in SELECTIONS
-             if not (k == 6 and selection == "auto")]  # every layer: the same model either way
+             if not (k == minilm.LAYERS and selection == "auto")]  # every layer: the same model either way
     # The first seed of every row first, so that an interrupted run (resumed with the same command) already shows
     # every K; then the other seeds, K by K in the order --all-seed-ks gives, both selections side by side so that
     # each K compares them over the same seeds.
@@ -245,7 +245,7 @@ def plot(summary: list[dict], embeddings: list[dict], timing: list[dict], path: 
                                            for sel, m in (("auto", "o"), ("last", "s"))]:
             points = sorted((s["k"], s["accuracy_mean"], s["accuracy_std"]) for s in summary if s["task"] == task
                             and s["variant"] == variant and not s["options"]
-                            and (s["selection"] == selection or s["k"] == 6))
+                            and (s["selection"] == selection or s["k"] == minilm.LAYERS))
             if points:
                 ax.errorbar([p[0] for p in points], [p[1] for p in points], yerr=[p[2] for p in points],
                             marker=marker, capsize=3, ls="-" if variant == "recipe" else ":",
@@ -254,13 +254,14 @@ def plot(summary: list[dict], embeddings: list[dict], timing: list[dict], path: 
             ax.axhline(stock[0]["accuracy_mean"], color="black", ls="--", label="stock")
         if plain:
             ax.scatter([1], [plain[0]["accuracy_mean"]], color="red", marker="x", s=60, label="plain conversion")
-        ax.set_xlabel("primal layers K (of 6)")
+        ax.set_xlabel(f"primal layers K (of {minilm.LAYERS})")
         ax.set_ylabel("test accuracy")
         ax.set_title({"reviews": "movie-review sentiment"}.get(task, f"BBC News {task}"))
         ax.legend(fontsize=8)
     for selection, marker in (("auto", "o"), ("last", "s")):
         points = sorted((int(t["k"]), float(t["time_vs_stock"])) for t in timing
-                        if t["tokens"] in (4096, "4096") and (t["selection"] == selection or int(t["k"]) == 6))
+                        if t["tokens"] in (4096, "4096")
+                        and (t["selection"] == selection or int(t["k"]) == minilm.LAYERS))
         if points:
             axes[-1].plot([p[0] for p in points], [p[1] for p in points], marker=marker, label=f"N=4096, {selection}")
     axes[-1].axhline(1.0, color="black", ls="--")

@@ -231,7 +231,7 @@ def conversion_order(args, selection, k, corpus="bbc") -> list[int]:
     """The K layers of a row in the order a progressive conversion converts them: the measured ranking's (cheapest
     first) for "auto", from the top layer down for "last"."""
     if selection == "last":
-        return list(range(5, 5 - k, -1))
+        return list(range(minilm.LAYERS - 1, minilm.LAYERS - 1 - k, -1))
     return json.loads(Path(args.out_dir, sensitivity_file(corpus)).read_text())["ranking"][:k]
 
 

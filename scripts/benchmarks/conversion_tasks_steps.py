@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from . import harness
+from . import harness, minilm
 from .conversion_tasks_jobs import chosen_layers, primal_spec, setup
 
 
@@ -48,8 +48,8 @@ def run_timing(args, selections, path: Path) -> None:
                 extra = {"primal_attention": spec} if spec is not None else {}
                 return BertModel.from_pretrained(minilm_path(), **extra).eval().to(args.device)
         else:
-            config = dict(hidden_size=768, num_attention_heads=12, intermediate_size=3072, num_hidden_layers=6,
-                          max_position_embeddings=length, attn_implementation="sdpa")
+            config = dict(hidden_size=768, num_attention_heads=12, intermediate_size=3072,
+                          num_hidden_layers=minilm.LAYERS, max_position_embeddings=length, attn_implementation="sdpa")
 
             def build(spec=None, config=config):
                 torch.manual_seed(0)
@@ -62,7 +62,7 @@ def run_timing(args, selections, path: Path) -> None:
         stock = _time_forward(build(), batch, repeats, args.device, args.dtype)
         for selection in selections:
             for k in args.ks:
-                if k == 6 and selection == "auto":
+                if k == minilm.LAYERS and selection == "auto":
                     continue
                 layers = chosen_layers(args, selection, k)
                 model = build(primal_spec(args, layers).to_dict())

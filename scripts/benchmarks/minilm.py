@@ -8,6 +8,9 @@ import torch
 from hf_primal.tools.data import minilm_path
 from hf_primal.training.teacher_loss import masked_mean_pool
 
+# all-MiniLM-L6-v2's transformer layers: K = LAYERS is "every layer", and "last" counts down from LAYERS - 1.
+LAYERS = 6
+
 
 def tokenizer():
     from transformers import AutoTokenizer
