@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from transformers import BertForSequenceClassification, BertModel
 
-from hf_primal import PrimalTrainer, convert, primal_layers
+from hf_primal import PrimalAttentionConfig, PrimalTrainer, convert, primal_layers
 from hf_primal.training.distill import distill, frozen_copy
 from hf_primal.training.teacher_loss import hidden_state_loss, logits_kl_loss, masked_mean_pool
 from hf_primal.training.trainer import PRIMAL_LR_MULTIPLIER
@@ -161,6 +161,29 @@ def test_trainer_logs_distill_loss_and_keeps_teacher_out_of_checkpoints(tmp_path
     saved = load_file(str(checkpoint / "model.safetensors"))
     assert set(saved) == set(trainer.model.state_dict())  # the student's tensors, nothing of the teacher
     assert not any("teacher" in name for name in os.listdir(checkpoint))
+
+
+def test_a_student_copied_from_a_teacher_after_distilling_from_it_still_trains_its_whole_network(tmp_path):
+    # The usual conversion loop: student = deepcopy(teacher) + primal layers, distil, repeat with other settings.
+    # The teacher must come out of each run as it went in, or every later copy trains only its new primal weights.
+    from hf_primal.tools.selection import swap_to_primal
+
+    teacher = _teacher_cls()
+    frozen_by_caller = teacher.bert.embeddings.word_embeddings.weight
+    frozen_by_caller.requires_grad_(False)  # the caller's own choice stays as it is too
+    spec = PrimalAttentionConfig(layers=[-1], low_rank=4, rank_multi=2)
+    for run in range(2):
+        student = copy.deepcopy(teacher)
+        swap_to_primal(student, spec)
+        before = {n: p.detach().clone() for n, p in student.named_parameters()}
+        PrimalTrainer(model=student.train(), args=_args(tmp_path / str(run), per_device_train_batch_size=4,
+                                                        max_steps=2),
+                      train_dataset=_cls_dataset(n=8), teacher=teacher).train()
+        moved = {n for n, p in student.named_parameters() if not torch.equal(p, before[n])}
+        assert "classifier.weight" in moved and "bert.encoder.layer.0.attention.self.query.weight" in moved, run
+        assert "bert.embeddings.word_embeddings.weight" not in moved
+    distill(copy.deepcopy(student), teacher, _text_batches(3, seed=1), steps=2, progress=False)
+    assert [n for n, p in teacher.named_parameters() if not p.requires_grad] == ["bert.embeddings.word_embeddings.weight"]
 
 
 def test_trainer_distill_gradient_accumulation_matches_full_batch(tmp_path):

@@ -140,12 +140,6 @@ def _split_heldout(batches: list, heldout_every: int) -> tuple[list, list]:
     return held, train
 
 
-def _freeze(model: nn.Module) -> None:
-    model.eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
-
-
 def _trainable_parameters(student: nn.Module, train_all: bool) -> list[tuple[str, nn.Parameter]]:
     """The (name, parameter) pairs `distill` trains, set to require grad; refuses an empty selection."""
     named = [
@@ -267,7 +261,7 @@ def distill(
     check_compatible(student, teacher, target)
     held, train = _split_heldout(list(batches), heldout_every)
     device = next(student.parameters()).device
-    _freeze(teacher)
+    teacher.eval()  # its forwards run under no_grad; its requires_grad flags stay the caller's
     named = _trainable_parameters(student, train_all)
     optimizers = _optimizer(named, learning_rate, primal_learning_rate, weight_decay, warmup_ratio, steps)
 

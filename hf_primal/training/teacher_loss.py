@@ -117,16 +117,17 @@ def check_compatible(student: nn.Module, teacher: nn.Module, target: str) -> Non
 
 
 def prepare_teacher(model: nn.Module, teacher: nn.Module, target: str, device: Any) -> str:
-    """Check that `teacher` can teach `model` (same outputs, no shared parameters) and freeze it on `device`, in eval
-    mode, outside the model (so that no optimizer or checkpoint sees it); returns the resolved `target`."""
+    """Check that `teacher` can teach `model` (same outputs, no shared parameters) and put it on `device` in eval
+    mode, outside the model (so that no optimizer or checkpoint sees it); returns the resolved `target`.
+
+    The teacher's ``requires_grad`` flags are left as they are: its forwards run under ``no_grad``, and freezing the
+    caller's model in place would silently freeze every student later deep-copied from it."""
     target = resolve_target(model, target)
     check_compatible(model, teacher, target)
     if teacher is model or any(p is q for p in teacher.parameters() for q in model.parameters()):
         raise ValueError("PrimalTrainer: the teacher shares parameters with the model; pass a separate (frozen) copy.")
     teacher.to(device)
     teacher.eval()
-    for p in teacher.parameters():
-        p.requires_grad_(False)
     return target
 
 
