@@ -130,7 +130,8 @@ class PrimalTrainer(Trainer):
         ksvd_reduction: ``"sequence"`` or ``"batch"``; defaults to the model's ``primal_attention["ksvd_reduction"]``.
         teacher: optional model to distil from while training (e.g. the stock model the primal one was converted
             from, or a stock model fine-tuned on the task). It runs in eval mode under ``no_grad`` on the same inputs,
-            gets no gradient and is never saved in checkpoints.
+            gets no gradient and is never saved in checkpoints; its ``requires_grad`` flags are left as they are, so
+            a student deep-copied from it later trains like the first.
         distill_weight: weight of the distillation term (default 1.0 when a teacher is given).
         distill_temperature: softmax temperature of the logits KL term (the term is multiplied by T^2).
         distill_target: ``"logits"`` (KL between the heads' distributions), ``"hidden"`` (final hidden states and
