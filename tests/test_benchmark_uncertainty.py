@@ -49,3 +49,30 @@ def test_quick_run_has_every_method_and_sane_metrics(tmp_path):
     assert [float(r["eta_kl"]) for r in selection] == [0.0, 1e-3] * 2  # the quick run's candidates, per task
     best = min(selection[:2], key=lambda r: float(r["validation_nll"]))
     assert float(by["kep_svgp"]["eta_kl"]) == float(best["eta_kl"])  # chosen by validation NLL
+
+
+def test_the_kep_layers_own_learning_rate_reaches_the_optimizer(tmp_path):
+    # Converting MiniLM, the new layer's parameters train at --kep-primal-learning-rate and the rest at the task's
+    # rate: with AdamW every parameter moves by about its group's rate per step, so their largest steps differ by
+    # about the ratio of the two rates.
+    from datasets import Dataset
+    from transformers import BertForSequenceClassification, default_data_collator
+
+    from scripts.benchmarks.uncertainty_tasks import train
+    from tests.conftest import bert_config
+
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(bert_config(num_labels=3, primal_attention={
+        "layers": [-1], "low_rank": 4, "rank_multi": 2, "variant": "kep_svgp", "eta_kl": 1e-3}))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    g = torch.Generator().manual_seed(1)
+    data = Dataset.from_dict({"input_ids": torch.randint(5, 90, (32, 10), generator=g).tolist(),
+                              "attention_mask": [[1] * 10] * 32, "labels": [i % 3 for i in range(32)]})
+    args = bench.parse_args(["--batch-size", "8"])
+    train(model, data, default_data_collator, args, seed=0, epochs=1, learning_rate=1e-5, primal_learning_rate=1e-2)
+
+    def largest_step(primal):
+        return max(float((p.detach() - before[n]).abs().max()) for n, p in model.named_parameters()
+                   if (".primal." in n) == primal)
+
+    assert largest_step(True) > 100 * largest_step(False) > 0

@@ -183,7 +183,8 @@ def test_a_student_copied_from_a_teacher_after_distilling_from_it_still_trains_i
         assert "classifier.weight" in moved and "bert.encoder.layer.0.attention.self.query.weight" in moved, run
         assert "bert.embeddings.word_embeddings.weight" not in moved
     distill(copy.deepcopy(student), teacher, _text_batches(3, seed=1), steps=2, progress=False)
-    assert [n for n, p in teacher.named_parameters() if not p.requires_grad] == ["bert.embeddings.word_embeddings.weight"]
+    frozen = [n for n, p in teacher.named_parameters() if not p.requires_grad]
+    assert frozen == ["bert.embeddings.word_embeddings.weight"]
 
 
 def test_trainer_distill_gradient_accumulation_matches_full_batch(tmp_path):

@@ -20,7 +20,8 @@ Methods (per seed; ``uncertainty.csv``, mean ± std over seeds in ``uncertainty_
 * ``ensemble``: the mean probabilities of 3 stock models fine-tuned from different seeds;
 * ``kep_svgp``: MiniLM: the fine-tuned stock model with its last layer made KEP-SVGP (``variant="kep_svgp"``) and
   trained with ``PrimalTrainer(teacher=<the stock model>, distill_target="logits")`` on the same labels
-  (``--kep-epochs``); the ViT: its last layer KEP-SVGP from the start, trained like the stock one; 10 posterior
+  (``--kep-epochs``; the new layer's own parameters at ``--kep-primal-learning-rate``); the ViT: its last layer
+  KEP-SVGP from the start, trained like the stock one; 10 posterior
   samples (``predict_with_uncertainty``); the KL weight is chosen per seed among ``--eta-kl`` by the validation NLL
   (every candidate's figure in ``uncertainty_selection.csv``);
 * ``kep_svgp+temperature``: the same with a temperature fitted on validation.
@@ -78,6 +79,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--covariance", default="consistent", choices=("consistent", "reference"))
     p.add_argument("--kep-epochs", type=float, default=1.0)
     p.add_argument("--kep-learning-rate", type=float, default=1e-4)
+    p.add_argument("--kep-primal-learning-rate", type=float, default=3e-3,
+                   help="MiniLM: learning rate of the new KEP-SVGP layer's own parameters (chosen on validation)")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny data and budgets, one seed")
     p.add_argument("--out-dir", default=str(RESULTS))
     args = p.parse_args(argv)
