@@ -15,9 +15,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 from scripts.benchmarks import (
     bbc_news,  # noqa: E402
+    checkpoints,  # noqa: E402
     harness,  # noqa: E402
 )
 from scripts.benchmarks import long_documents as bench  # noqa: E402
+from scripts.benchmarks import long_documents_model as network  # noqa: E402
 from scripts.benchmarks import long_documents_task as task  # noqa: E402
 
 
@@ -59,7 +61,7 @@ def test_a_document_scores_the_same_whatever_its_padding(variant):
     # padding bytes follow it, nor on what it is batched with (eval mode, no dropout).
     args = _args()
     torch.manual_seed(0)
-    model = task.DocumentClassifier(variant, 64, args).eval()
+    model = network.DocumentClassifier(variant, 64, args).eval()
     short, long = (b"Short text, then padding.", 0), (bytes(range(40, 104)), 1)
     with torch.no_grad():
         logits = [model(*task.encode(docs, n)[:2])[:1] for docs, n in (([short], 64), ([short], 40),
@@ -70,23 +72,23 @@ def test_a_document_scores_the_same_whatever_its_padding(variant):
 
 def test_primal_variants_carry_the_paper_settings():
     args = _args()
-    cfg_all = task.DocumentClassifier("primal", 64, args).encoder.config.primal_attention
-    cfg_last = task.DocumentClassifier("primal-last", 64, args).encoder.config.primal_attention
+    cfg_all = network.DocumentClassifier("primal", 64, args).encoder.config.primal_attention
+    cfg_last = network.DocumentClassifier("primal-last", 64, args).encoder.config.primal_attention
     assert (cfg_all["layers"], cfg_all["low_rank"], cfg_all["eta"]) == ("all", 20, 0.05)
     assert (cfg_last["layers"], cfg_last["low_rank"], cfg_last["eta"]) == ([-1], 30, 0.1)
     assert cfg_all["rank_multi"] == 1 and cfg_all["ksvd_reduction"] == "batch"  # m chosen by the study
-    model = task.DocumentClassifier("primal", 64, args)
+    model = network.DocumentClassifier("primal", 64, args)
     assert {layer.attention.self.primal.sampling for layer in model.encoder.encoder.layer} == {"segment_mean"}
-    text = task.settings_text("primal", args)
+    text = network.settings_text("primal", args)
     assert "m=1" in text and "sampling=segment_mean" in text
-    paper = task.DocumentClassifier("primal", 64, _args(rank_multi=10, sampling="even"))
+    paper = network.DocumentClassifier("primal", 64, _args(rank_multi=10, sampling="even"))
     assert {layer.attention.self.primal.sampling for layer in paper.encoder.encoder.layer} == {"even"}
     assert paper.encoder.config.primal_attention["rank_multi"] == 10
     import hf_primal
 
-    assert len(hf_primal.primal_layers(task.DocumentClassifier("primal", 64, args).encoder)) == 2
-    assert len(hf_primal.primal_layers(task.DocumentClassifier("primal-last", 64, args).encoder)) == 1
-    assert not hf_primal.primal_layers(task.DocumentClassifier("sdpa", 64, args).encoder)
+    assert len(hf_primal.primal_layers(network.DocumentClassifier("primal", 64, args).encoder)) == 2
+    assert len(hf_primal.primal_layers(network.DocumentClassifier("primal-last", 64, args).encoder)) == 1
+    assert not hf_primal.primal_layers(network.DocumentClassifier("sdpa", 64, args).encoder)
 
 
 def _run_row(variant, n, seed, acc, f1, seconds, step, peak):
@@ -215,6 +217,48 @@ def test_device_options_refuse_what_this_machine_cannot_run():
         harness.resolve_device(parser.parse_args(["--device", "mps"]))
 
 
+def test_a_run_killed_between_epochs_resumes_to_the_row_it_would_have_written(tmp_path, monkeypatch):
+    # Three epochs with dropout (the global RNG), a data order of its own and half the training articles, so that
+    # an epoch (3 steps of the whole set) ends inside a pass over the half (2 steps); killed after the first epoch's
+    # checkpoint, then started again with the same settings. The uninterrupted run is the reference.
+    args = _args(epochs=3.0, train_fraction=0.5, out_dir=str(tmp_path))
+    weights = []  # the weights each evaluation sees: the last ones are the trained model's, to the bit
+    real_evaluate = task.evaluate
+
+    def recording(model, *a, **k):
+        weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+        return real_evaluate(model, *a, **k)
+
+    monkeypatch.setattr(task, "evaluate", recording)
+    whole = task.train_job(args, "primal", 96, 1)
+    trained = weights[-1]
+    assert not (tmp_path / checkpoints.DIRECTORY).exists()  # a finished run leaves no checkpoint
+
+    steps, calls = -(-24 // 8), []
+    real_step = task.train_step
+
+    def dies_after_one_epoch(*a, **k):
+        if len(calls) == steps:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return real_step(*a, **k)
+
+    monkeypatch.setattr(task, "train_step", dies_after_one_epoch)
+    with pytest.raises(KeyboardInterrupt):
+        task.train_job(args, "primal", 96, 1)
+    monkeypatch.setattr(task, "train_step", real_step)
+    assert len(list((tmp_path / checkpoints.DIRECTORY).glob("*.pt"))) == 1
+    # Other settings never resume it: a different learning rate trains from the start.
+    other = task.train_job(_args(epochs=3.0, train_fraction=0.5, out_dir=str(tmp_path), learning_rate=3e-3),
+                           "primal", 96, 1)
+    assert len(other["val_curve"].split()) == 3
+    resumed = task.train_job(args, "primal", 96, 1)
+    assert torch.equal(weights[-1], trained)
+    for key in ("accuracy", "val_accuracy", "train_accuracy", "val_curve", "steps"):
+        assert resumed[key] == whole[key], key
+    assert not (tmp_path / checkpoints.DIRECTORY).exists()
+
+
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("long")
@@ -269,14 +313,14 @@ def test_without_attention_no_byte_sees_another():
     # The timing phase's reference network: a position's final hidden state depends on its own byte alone, and the
     # encoder holds no attention parameters (so its memory is that of everything but attention).
     torch.manual_seed(0)
-    model = task.DocumentClassifier(bench.NO_ATTENTION, 32, _args()).eval()
+    model = network.DocumentClassifier(bench.NO_ATTENTION, 32, _args()).eval()
     assert not any(".attention." in name for name, _ in model.named_parameters())
     ids, mask, _ = task.encode([(bytes(range(65, 97)), 0), (b"A" + bytes(range(200, 231)), 0)], 32)
     with torch.no_grad():
         hidden = model.encoder(input_ids=ids, attention_mask=mask).last_hidden_state
     torch.testing.assert_close(hidden[0, 0], hidden[1, 0])  # the same first byte, every other byte different
     assert not torch.allclose(hidden[0, 1], hidden[1, 1])
-    sdpa = task.DocumentClassifier("sdpa", 32, _args()).eval()
+    sdpa = network.DocumentClassifier("sdpa", 32, _args()).eval()
     with torch.no_grad():
         mixed = sdpa.encoder(input_ids=ids, attention_mask=mask).last_hidden_state
     assert not torch.allclose(mixed[0, 0], mixed[1, 0], atol=1e-4)  # with attention, the first byte sees the rest

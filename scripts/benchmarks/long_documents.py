@@ -58,10 +58,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from . import harness
+from .long_documents_model import NO_ATTENTION, PEERS
 from .long_documents_steps import memory_job, timing_job
 from .long_documents_task import (
-    NO_ATTENTION,
-    PEERS,
     PNG,
     RUNS,
     RUNS_CSV,

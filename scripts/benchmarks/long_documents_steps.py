@@ -12,7 +12,8 @@ from typing import Any, Callable
 import torch
 
 from . import harness
-from .long_documents_task import TIMED, DocumentClassifier, eager_estimate_gib, load_data, setup, train_step
+from .long_documents_model import DocumentClassifier
+from .long_documents_task import TIMED, eager_estimate_gib, load_data, setup, train_step
 
 
 def first_batch(args: argparse.Namespace, n: int) -> list[torch.Tensor]:

@@ -40,6 +40,7 @@ from typing import Any, Optional
 from hf_primal import PrimalAttentionConfig
 
 from . import harness
+from . import long_documents_model as model
 from . import long_documents_task as task
 
 STUDY_CSV, STUDY_SUMMARY_CSV, STUDY_PNG = ("long_documents_study.csv", "long_documents_study_summary.csv",
@@ -55,7 +56,7 @@ PAPER = {"learning_rate": 1e-4, "adam_eps": 1e-6, "warmup": 0.4}  # LRA Text: 8,
 def setting_name(variant: str, overrides: dict[str, Any]) -> str:
     """The canonical name of a run's setting: the fields changed from `DEFAULTS` (the benchmark's recipe with the
     paper's slots, sampling="even" and m = 10) in a fixed order, or "baseline"."""
-    changed = {k: v for k, v in overrides.items() if v != DEFAULTS[k] and (variant in task.PRIMAL or k not in
+    changed = {k: v for k, v in overrides.items() if v != DEFAULTS[k] and (variant in model.PRIMAL or k not in
                                                                            PRIMAL_ONLY)}
     return ",".join(f"{k}={changed[k]:g}" if isinstance(changed[k], float) else f"{k}={changed[k]}"
                     for k in DEFAULTS if k in changed) or "baseline"

@@ -1,6 +1,6 @@
 """The long-document task shared by the table (`long_documents`) and its study (`long_documents_study`): the
-arguments, the data (BBC News articles as bytes), the byte-level classifier with each attention variant, and one
-training run (`train_job`). What the task is and why: the docstring of `long_documents`.
+arguments, the data (BBC News articles as bytes) and one training run (`train_job`); the byte-level classifier with
+each attention variant is in `long_documents_model`. What the task is and why: the docstring of `long_documents`.
 """
 
 from __future__ import annotations
@@ -13,23 +13,19 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 
-from . import bbc_news, harness
+from . import bbc_news, checkpoints, harness
+from .long_documents_model import NO_ATTENTION, PAD, DocumentClassifier, settings_text
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RUNS_CSV, SUMMARY_CSV, TARGETS_CSV = "long_documents.csv", "long_documents_summary.csv", "long_documents_targets.csv"
 TIMING_CSV, PNG = "long_documents_timing.csv", "long_documents.png"
-# The same network with every attention block the identity: the floor a mixing layer must beat (trained), and what
-# the rest of the model costs, so the most any attention variant can save against sdpa (timing phase).
-NO_ATTENTION = "no-attention"
 TRAINED = ("sdpa", "primal", "primal-last", NO_ATTENTION, "performer", "nystrom", "linformer")
-PEERS = ("performer", "nystrom", "linformer")
 RUNS = TRAINED + ("eager", "sdpa-dropout")  # what --variants chooses from: the trained ones and the two timed runs
 TIMED = ("sdpa", "sdpa-dropout", "eager") + TRAINED[1:]
-PRIMAL = {"primal": {"layers": "all", "low_rank": 20, "eta": 0.05},
-          "primal-last": {"layers": [-1], "low_rank": 30, "eta": 0.1}}
-PAD, VOCAB = 0, 257  # byte b is token b + 1
+# Arguments that choose which runs to make or where results go, not what one run computes.
+NOT_RUN_SETTINGS = {"lengths", "seeds", "long_seeds", "variants", "workers", "only", "out_dir", "timing_steps",
+                    "eager_steps", "eager_limit_gib"}
 
 
 def run_epochs(row: dict) -> Optional[float]:
@@ -107,122 +103,6 @@ def load_data(args: argparse.Namespace, n: int) -> dict[str, tuple[torch.Tensor,
     return {name: encode(rows, n) for name, rows in splits.items()}
 
 
-# ---------------------------------------------------------------------------------------------- models
-class IdentityAttention(torch.nn.Module):
-    """In place of BertAttention: the hidden states pass through unchanged (no token sees another)."""
-
-    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
-        return hidden_states, None
-
-
-class PeerAttention(torch.nn.Module):
-    """A packaged attention layer in place of BertAttention: LayerNorm(x + dropout(attention(x)))."""
-
-    def __init__(self, kind: str, config, n: int, args: argparse.Namespace) -> None:
-        super().__init__()
-        hidden, heads = config.hidden_size, config.num_attention_heads
-        d = hidden // heads
-        if kind == "performer":
-            from performer_pytorch import SelfAttention
-
-            self.attention = SelfAttention(dim=hidden, heads=heads, dim_head=d)
-        elif kind == "nystrom":
-            from nystrom_attention import NystromAttention
-
-            self.attention = NystromAttention(dim=hidden, dim_head=d, heads=heads, num_landmarks=args.landmarks)
-        elif kind == "linformer":
-            from linformer import LinformerSelfAttention
-
-            self.attention = LinformerSelfAttention(dim=hidden, seq_len=n, k=args.linformer_k, heads=heads, dim_head=d)
-        else:
-            raise ValueError(f"unknown peer {kind!r}; use one of {PEERS}")
-        self.kind = kind
-        self.dropout = torch.nn.Dropout(config.hidden_dropout_prob)
-        self.norm = torch.nn.LayerNorm(hidden, eps=config.layer_norm_eps)
-        self.padding: Optional[torch.Tensor] = None  # (batch, N) bool, set by DocumentClassifier before each call
-
-    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
-        if self.kind == "linformer":
-            out = self.attention(hidden_states)
-        else:
-            out = self.attention(hidden_states, mask=self.padding)
-        return self.norm(hidden_states + self.dropout(out)), None
-
-
-def encoder_config(variant: str, n: int, args: argparse.Namespace):
-    from transformers import BertConfig
-
-    config = BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=128, max_position_embeddings=n, pad_token_id=PAD,
-                        hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1 if variant == "sdpa-dropout" else 0.0)
-    config._attn_implementation = "eager" if variant == "eager" else "sdpa"
-    if variant in PRIMAL:
-        config.primal_attention = {**PRIMAL[variant], "rank_multi": args.rank_multi,
-                                   "ksvd_reduction": args.ksvd_reduction}
-        if getattr(args, "sampling", None):
-            config.primal_attention["sampling"] = args.sampling
-    return config
-
-
-class DocumentClassifier(torch.nn.Module):
-    """Encoder + mean pool over the valid bytes + linear head."""
-
-    def __init__(self, variant: str, n: int, args: argparse.Namespace) -> None:
-        super().__init__()
-        from transformers import BertModel
-
-        import hf_primal
-
-        config = encoder_config(variant, n, args)
-        self.encoder = BertModel(config, add_pooling_layer=False)
-        self.peers = []
-        if variant in PEERS:
-            for layer in self.encoder.encoder.layer:
-                layer.attention = PeerAttention(variant, config, n, args)
-                self.peers.append(layer.attention)
-        elif variant == NO_ATTENTION:
-            for layer in self.encoder.encoder.layer:
-                layer.attention = IdentityAttention()
-        self.head = torch.nn.Linear(config.hidden_size, len(bbc_news.TOPICS))
-        self.eta = PRIMAL[variant]["eta"] if variant in PRIMAL else 0.0
-        if variant in PRIMAL and not hf_primal.primal_layers(self.encoder):
-            raise RuntimeError(f"{variant}: the encoder has no primal layer")
-
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        for peer in self.peers:
-            peer.padding = mask
-        hidden = self.encoder(input_ids=ids, attention_mask=mask).last_hidden_state
-        weights = mask.unsqueeze(-1).to(hidden.dtype)
-        return self.head((hidden * weights).sum(1) / weights.sum(1).clamp(min=1))
-
-    def loss(self, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        import hf_primal
-
-        loss = F.cross_entropy(self(ids, mask).float(), labels)
-        if self.eta:
-            loss = loss + self.eta * hf_primal.ksvd_loss(self.encoder)
-        return loss
-
-
-def settings_text(variant: str, args: argparse.Namespace) -> str:
-    if variant in PRIMAL:
-        from hf_primal import PrimalAttentionConfig
-
-        cfg = PRIMAL[variant]
-        rule = getattr(args, "sampling", None) or PrimalAttentionConfig().sampling
-        return (f"layers={cfg['layers']}, s={cfg['low_rank']}, m={args.rank_multi}, eta={cfg['eta']}, "
-                f"ksvd_reduction={args.ksvd_reduction}, sampling={rule}")
-    if variant == "performer":
-        return "nb_features=int(d ln d)=110 (default), softmax kernel"
-    if variant == "nystrom":
-        return f"num_landmarks={args.landmarks}, pinv_iterations=6, residual conv 33 (defaults)"
-    if variant == "linformer":
-        return f"k={args.linformer_k} (default), sees padding"
-    if variant == NO_ATTENTION:
-        return "every attention block the identity: the cost of the rest of the network"
-    return "attention-probability dropout " + ("0.1" if variant == "sdpa-dropout" else "0")
-
-
 # ---------------------------------------------------------------------------------------------- one run
 def train_step(model: DocumentClassifier, optimizer, batch, args) -> float:
     ids, mask, labels = (t.to(args.device) for t in batch)
@@ -279,16 +159,24 @@ def subset(split: tuple[torch.Tensor, ...], fraction: float) -> tuple[torch.Tens
     return tuple(t[index] for t in split)
 
 
+def run_settings(args: argparse.Namespace, variant: str, n: int, seed: int) -> dict[str, Any]:
+    """Everything that decides one training run's result (its checkpoint is resumed only under the same)."""
+    return {"variant": variant, "n": n, "seed": seed,
+            **{k: v for k, v in sorted(vars(args).items()) if k not in NOT_RUN_SETTINGS}}
+
+
 def train_job(args: argparse.Namespace, variant: str, n: int, seed: int) -> dict[str, Any]:
     """Train `variant` from scratch at length `n` with `seed`; its row of the CSV (with the training accuracy in eval
-    mode and the validation accuracy after every epoch, `val_curve`, as "step:accuracy" pairs)."""
+    mode and the validation accuracy after every epoch, `val_curve`, as "step:accuracy" pairs). The run saves a
+    checkpoint after every epoch (`checkpoints`) and, started again with the same settings, resumes from it."""
     setup(args)
     data = load_data(args, n)
     steps_per_epoch = -(-len(data["train"][0]) // args.batch_size)
     total = max(1, round(args.epochs * steps_per_epoch))
     train = subset(data["train"], getattr(args, "train_fraction", 1.0))
     warmup = max(1, int(args.warmup * total))
-    curve: list[str] = []
+    settings = run_settings(args, variant, n, seed)
+    saved_at = checkpoints.path_for(args.out_dir, f"{variant}-n{n}-seed{seed}", settings)
     with harness.peak_memory(args.device) as memory:
         torch.manual_seed(seed)
         model = DocumentClassifier(variant, n, args).to(args.device).train()
@@ -299,23 +187,39 @@ def train_job(args: argparse.Namespace, variant: str, n: int, seed: int) -> dict
             optimizer, lambda i: (i + 1) / warmup if i < warmup else max(0.0, (total - i) / max(1, total - warmup)))
         order = torch.Generator().manual_seed(seed)
         times: list[float] = []
+        curve: list[str] = []
+        permutation, position, before = None, 0, 0.0
+        if (state := checkpoints.load(saved_at, settings)) is not None:
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            schedule.load_state_dict(state["schedule"])
+            order.set_state(state["order"])
+            torch.set_rng_state(state["rng"])
+            times, curve, before = state["times"], state["curve"], state["seconds"]
+            permutation, position = state["permutation"], state["position"]
         started = time.perf_counter()
         while len(times) < total:
-            permutation = torch.randperm(len(train[0]), generator=order)
-            for i in range(0, len(permutation), args.batch_size):
-                if len(times) == total:
-                    break
-                index = permutation[i:i + args.batch_size]
-                times.append(train_step(model, optimizer, [t[index] for t in train], args))
-                schedule.step()
-                if len(times) % steps_per_epoch == 0 or len(times) == total:
-                    pause = time.perf_counter()
-                    curve.append(f"{len(times)}:{evaluate(model, data['validation'], args)[0]:.4f}")
-                    started += time.perf_counter() - pause  # the curve is not training time
-        seconds = time.perf_counter() - started
+            if permutation is None or position >= len(permutation):
+                permutation, position = torch.randperm(len(train[0]), generator=order), 0
+            index = permutation[position:position + args.batch_size]
+            position += args.batch_size
+            times.append(train_step(model, optimizer, [t[index] for t in train], args))
+            schedule.step()
+            if len(times) % steps_per_epoch == 0 or len(times) == total:
+                pause = time.perf_counter()
+                curve.append(f"{len(times)}:{evaluate(model, data['validation'], args)[0]:.4f}")
+                if len(times) < total:
+                    checkpoints.save(saved_at, settings, {
+                        "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "schedule": schedule.state_dict(), "order": order.get_state(), "rng": torch.get_rng_state(),
+                        "times": times, "curve": curve, "seconds": before + pause - started,
+                        "permutation": permutation, "position": position})
+                started += time.perf_counter() - pause  # the curve and the checkpoint are not training time
+        seconds = before + time.perf_counter() - started
     train_accuracy, _ = evaluate(model, train, args)
     val_accuracy, val_f1 = evaluate(model, data["validation"], args)
     accuracy, f1 = evaluate(model, data["test"], args)
+    checkpoints.remove(saved_at)
     return {"n": n, "variant": variant, "seed": seed, "status": "ok", "epochs": args.epochs, "steps": total,
             "batch": args.batch_size, "train_seconds": round(seconds, 2),
             "step_ms_median": round(1e3 * statistics.median(times), 2), "peak_mib": round(memory["peak_mib"], 1),
