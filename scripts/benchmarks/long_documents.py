@@ -32,6 +32,8 @@ another ``--epochs`` are kept apart in the files: the first table's 8), dropout 
 Measured per run (one fresh one-thread process per run, two side by side by default): validation and test accuracy
 and macro-F1, training wall time (the training loop alone), median time of a training step, and peak memory above
 the process's pre-model baseline (resident set on CPU, with data and torch loaded; allocator peak on CUDA).
+A run interrupted between two epochs resumes from its last epoch when the same command runs again (checkpoints in
+``--out-dir``/checkpoints, removed when the run ends); finished runs are not rerun.
 Outputs in ``--out-dir``: ``long_documents.csv`` (per run; a rerun resumes from it), ``long_documents_summary.csv``
 (mean and std over seeds, ratios to ``sdpa``), ``long_documents_targets.csv`` (the comparisons the benchmark is read
 by, with the verdict), ``long_documents.png`` (test accuracy against training time) and
