@@ -106,7 +106,8 @@ def quick_run(tmp_path_factory):
     # Recipe options beside the recipe, on one task: their rows are keyed by the options, the recipe's stay.
     result = subprocess.run(
         [sys.executable, "-m", "scripts.benchmarks.conversion_tasks", "--quick", "--only", "accuracy", "--tasks",
-         "headlines", "--recipe-progressive", "--warm-start", "transfer", "--rank-multi", "1", "--out-dir", str(out),
+         "headlines", "--recipe-progressive", "--warm-start", "transfer", "--rank-multi", "1",
+         "--recipe-primal-learning-rate", "1e-3", "--out-dir", str(out),
          "--work-dir", str(out / "teachers")],
         cwd=ROOT, capture_output=True, text=True, timeout=1500,
     )
@@ -184,13 +185,13 @@ def test_quick_run_keeps_rows_of_other_options_apart(quick_run):
     rows = read("conversion_tasks.csv")
     tried = [r for r in rows if r["options"]]
     assert {(r["task"], r["variant"], r["options"], r["selection"]) for r in tried} == {
-        ("headlines", "recipe", "progressive transfer=2 rank_multi=1", s) for s in ("auto", "last")}
+        ("headlines", "recipe", "progressive transfer=2 rank_multi=1 primal_lr=0.001", s) for s in ("auto", "last")}
     # The recipe's own rows are still there, one per task and selection, and each row has a validation accuracy.
     plain_recipe = [r for r in rows if r["variant"] == "recipe" and not r["options"]]
     assert len(plain_recipe) == 6 and all(0 <= float(r["val_accuracy"]) <= 1 for r in rows)
     summary = read("conversion_tasks_summary.csv")
     assert {s["options"] for s in summary if s["task"] == "headlines" and s["variant"] == "recipe"} == {
-        "", "progressive transfer=2 rank_multi=1"}
+        "", "progressive transfer=2 rank_multi=1 primal_lr=0.001"}
 
 
 def test_quick_run_embedding_measures(quick_run):
@@ -310,3 +311,30 @@ def test_last_layers_count_down_from_the_checkpoints_top_layer():
     assert minilm.LAYERS == top + 1  # "every layer" is K = LAYERS
     assert conversion_order(None, "last", 1) == [top]
     assert conversion_order(None, "last", 3) == [top, top - 1, top - 2]
+
+
+def test_the_recipes_learning_rates_reach_the_optimizer(tmp_path):
+    # With AdamW every parameter moves by about its group's learning rate per step: the primal layers' own rate and
+    # the recipe's rate for the rest show in the largest steps of each group.
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from scripts.benchmarks import conversion_tasks as bench
+    from scripts.benchmarks import minilm
+    from scripts.benchmarks.conversion_tasks_jobs import train_model
+
+    tokenizer = minilm.tokenizer()
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(
+        vocab_size=tokenizer.vocab_size, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=32, num_labels=2, primal_attention={"layers": [-1], "low_rank": 4, "rank_multi": 2}))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    rows = [(f"text number {i} about {'films' if i % 2 else 'sport'}", i % 2) for i in range(16)]
+    args = bench.parse_args(["--batch-size", "8", "--max-length", "16"])
+
+    def largest_step(primal):
+        return max(float((p.detach() - before[n]).abs().max()) for n, p in model.named_parameters()
+                   if (".primal." in n) == primal)
+
+    train_model(model, tokenizer, rows, args, 0, str(tmp_path), steps=3, learning_rate=1e-5,
+                primal_learning_rate=1e-2)
+    assert largest_step(True) > 100 * largest_step(False) > 0

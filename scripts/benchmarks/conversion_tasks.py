@@ -94,6 +94,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="transfer: attention transfer (convert(method='transfer')) on unlabeled text before the "
                         "recipe's distillation (rows with options `transfer=<steps>`)")
     p.add_argument("--warm-start-steps", type=int, default=100)
+    p.add_argument("--recipe-learning-rate", type=float, default=None,
+                   help="the recipe's learning rate (default: --learning-rate; another value is a recipe option)")
+    p.add_argument("--recipe-primal-learning-rate", type=float, default=None,
+                   help="the primal layers' own learning rate in the recipe (default: the recipe's; an option)")
     p.add_argument("--recipe-max-steps", type=int, default=900, help="the stopping rule's ceiling")
     p.add_argument("--recipe-eval-steps", type=int, default=50, help="steps between the stopping rule's evaluations")
     p.add_argument("--recipe-patience", type=int, default=3, help="evaluations without a better agreement")

@@ -83,11 +83,13 @@ def evaluate(model, tokenizer, rows, max_length) -> dict:
 
 
 def train_model(model, tokenizer, train_rows, args, seed, workdir, *, teacher=None, unlabeled=None, steps=None,
-                heldout=None):
+                heldout=None, learning_rate=None, primal_learning_rate=None):
     """Fine-tune `model` (plain `Trainer`, or `PrimalTrainer` once it has primal layers); with a teacher, distil
     on `unlabeled`. With `heldout` (unlabeled texts no step trains on), `steps` is a ceiling: the student is
     evaluated every --recipe-eval-steps, training stops after --recipe-patience evaluations without a better
-    teacher agreement, and the best step's weights are restored (the recipe's stopping rule, docs/conversion.md)."""
+    teacher agreement, and the best step's weights are restored (the recipe's stopping rule, docs/conversion.md).
+    `learning_rate` (default --learning-rate) and `primal_learning_rate` (the primal layers' own parameters; default
+    the same) are the recipe's."""
     from transformers import DataCollatorWithPadding, EarlyStoppingCallback, Trainer, TrainingArguments
 
     from hf_primal import PrimalTrainer
@@ -98,13 +100,16 @@ def train_model(model, tokenizer, train_rows, args, seed, workdir, *, teacher=No
                         save_steps=args.recipe_eval_steps, save_total_limit=2, load_best_model_at_end=True,
                         metric_for_best_model="teacher_agreement", per_device_eval_batch_size=128)
     training = TrainingArguments(
-        output_dir=workdir, per_device_train_batch_size=args.batch_size, learning_rate=args.learning_rate,
-        num_train_epochs=args.epochs, max_steps=steps or -1, warmup_steps=0.06, lr_scheduler_type="linear",
-        report_to=[], seed=seed, use_cpu=True, disable_tqdm=True, logging_steps=10**6,
+        output_dir=workdir, per_device_train_batch_size=args.batch_size,
+        learning_rate=learning_rate or args.learning_rate, num_train_epochs=args.epochs, max_steps=steps or -1,
+        warmup_steps=0.06, lr_scheduler_type="linear", report_to=[], seed=seed, use_cpu=True, disable_tqdm=True,
+        logging_steps=10**6,
         **({"save_strategy": "no"} | stopping))
     kwargs = {"model": model, "args": training, "train_dataset": tokenised(tokenizer, train_rows, args.max_length),
               "data_collator": DataCollatorWithPadding(tokenizer)}
     primal = getattr(model.config, "primal_attention", None) is not None
+    if primal and primal_learning_rate:
+        kwargs["primal_learning_rate"] = primal_learning_rate
     if teacher is not None:
         kwargs.update(teacher=teacher, distill_target="logits",
                       distill_dataset=tokenised(tokenizer, unlabeled, args.max_length, labels=False))
@@ -186,7 +191,8 @@ def job_recipe(args, task_name, seed, selection, k):
     with tempfile.TemporaryDirectory() as scratch:
         def distil(model, steps, heldout=None):
             train_model(model, tokenizer, task.train, args, seed, scratch, teacher=teacher, unlabeled=unlabeled,
-                        steps=steps, heldout=heldout)
+                        steps=steps, heldout=heldout, learning_rate=args.recipe_learning_rate,
+                        primal_learning_rate=args.recipe_primal_learning_rate)
 
         student = progressive_student(teacher, order if args.recipe_progressive else [order],
                                       lambda layers: primal_spec(args, layers), distil, args.progressive_steps, warm)
@@ -242,11 +248,13 @@ def recipe_variant(args) -> str:
 
 def recipe_options(args) -> str:
     """What a recipe row changes from the benchmark's recipe ("" for none): progressive conversion, an
-    attention-transfer warm start, the primal layers' sampling rule and slots."""
+    attention-transfer warm start, the primal layers' sampling rule and slots, the recipe's learning rates."""
     parts = (["progressive"] if args.recipe_progressive else []) + (
         [f"transfer={args.warm_start_steps}"] if args.warm_start == "transfer" else [])
     parts += [f"sampling={args.sampling}"] if args.sampling else []
     parts += [f"rank_multi={args.rank_multi}"] if args.rank_multi != 10 else []
+    parts += [f"lr={args.recipe_learning_rate:g}"] if args.recipe_learning_rate else []
+    parts += [f"primal_lr={args.recipe_primal_learning_rate:g}"] if args.recipe_primal_learning_rate else []
     return " ".join(parts)
 
 
