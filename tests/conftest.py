@@ -38,6 +38,16 @@ def primal_block_indices(model):
     return [i for i, block in enumerate(model.transformer.h) if getattr(block.attn, "_is_primal_attention", False)]
 
 
+def largest_steps(model, before: dict) -> tuple[float, float]:
+    """(primal, other): the largest change of any primal-layer parameter and of any other parameter since `before`
+    (name -> tensor). With AdamW every parameter moves by about its group's learning rate per step."""
+    steps = {True: 0.0, False: 0.0}
+    for name, p in model.named_parameters():
+        primal = ".primal." in name
+        steps[primal] = max(steps[primal], float((p.detach() - before[name]).abs().max()))
+    return steps[True], steps[False]
+
+
 def bert_config(**kw):
     base = dict(
         hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=120,

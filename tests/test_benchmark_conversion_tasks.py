@@ -321,6 +321,7 @@ def test_the_recipes_learning_rates_reach_the_optimizer(tmp_path):
     from scripts.benchmarks import conversion_tasks as bench
     from scripts.benchmarks import minilm
     from scripts.benchmarks.conversion_tasks_jobs import train_model
+    from tests.conftest import largest_steps
 
     tokenizer = minilm.tokenizer()
     torch.manual_seed(0)
@@ -330,11 +331,7 @@ def test_the_recipes_learning_rates_reach_the_optimizer(tmp_path):
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     rows = [(f"text number {i} about {'films' if i % 2 else 'sport'}", i % 2) for i in range(16)]
     args = bench.parse_args(["--batch-size", "8", "--max-length", "16"])
-
-    def largest_step(primal):
-        return max(float((p.detach() - before[n]).abs().max()) for n, p in model.named_parameters()
-                   if (".primal." in n) == primal)
-
     train_model(model, tokenizer, rows, args, 0, str(tmp_path), steps=3, learning_rate=1e-5,
                 primal_learning_rate=1e-2)
-    assert largest_step(True) > 100 * largest_step(False) > 0
+    primal, other = largest_steps(model, before)
+    assert primal > 100 * other > 0

@@ -59,7 +59,7 @@ def test_the_kep_layers_own_learning_rate_reaches_the_optimizer(tmp_path):
     from transformers import BertForSequenceClassification, default_data_collator
 
     from scripts.benchmarks.uncertainty_tasks import train
-    from tests.conftest import bert_config
+    from tests.conftest import bert_config, largest_steps
 
     torch.manual_seed(0)
     model = BertForSequenceClassification(bert_config(num_labels=3, primal_attention={
@@ -70,9 +70,5 @@ def test_the_kep_layers_own_learning_rate_reaches_the_optimizer(tmp_path):
                               "attention_mask": [[1] * 10] * 32, "labels": [i % 3 for i in range(32)]})
     args = bench.parse_args(["--batch-size", "8"])
     train(model, data, default_data_collator, args, seed=0, epochs=1, learning_rate=1e-5, primal_learning_rate=1e-2)
-
-    def largest_step(primal):
-        return max(float((p.detach() - before[n]).abs().max()) for n, p in model.named_parameters()
-                   if (".primal." in n) == primal)
-
-    assert largest_step(True) > 100 * largest_step(False) > 0
+    primal, other = largest_steps(model, before)
+    assert primal > 100 * other > 0
