@@ -335,3 +335,40 @@ def test_the_recipes_learning_rates_reach_the_optimizer(tmp_path):
                 primal_learning_rate=1e-2)
     primal, other = largest_steps(model, before)
     assert primal > 100 * other > 0
+
+
+def test_a_row_stopped_under_other_stopping_settings_is_not_taken_for_this_runs(tmp_path, monkeypatch):
+    from scripts.benchmarks import conversion_tasks as bench
+    from scripts.benchmarks import harness
+
+    def args_of(*extra):
+        return bench.parse_args(["--only", "accuracy", "--tasks", "sentences", "--seeds", "0", "--ks", "1",
+                                 "--all-seed-ks", "1", "--embed-ks", "1", "--recipe-stop", "agreement",
+                                 "--out-dir", str(tmp_path), "--work-dir", str(tmp_path / "teachers"), *extra])
+
+    # Everything of a finished default-settings run is on disk: the ranking, the teacher, every row.
+    default = args_of()
+    (tmp_path / bench.sensitivity_file("bbc")).write_text("{}")
+    Path(bench.teacher_dir(default, "sentences", 0)).mkdir(parents=True)
+    rows = [{"task": "sentences", "variant": v, "options": "", "selection": sel, "k": k, "seed": 0}
+            for v, sel, k in (("stock", "", 0), ("plain", "last", 1), ("recipe-stop", "auto", 1),
+                              ("recipe-stop", "last", 1))]
+    harness.write_rows(tmp_path / bench.TASKS_CSV, rows)
+    harness.write_rows(tmp_path / bench.EMBED_CSV, [{"selection": s, "k": k} for s, k in
+                                                   (("auto", 1), ("last", 1), ("", 0))])
+    planned = []
+
+    def record(fn, jobs, workers, desc, separate=False):
+        planned.extend((name, params) for name, _, params in jobs)
+        return iter(())
+
+    monkeypatch.setattr(harness, "run_jobs", record)
+    bench.run_accuracy(default)
+    assert planned == []
+    for extra, options in ((("--recipe-patience", "6"), "patience=6"), (("--recipe-max-steps", "1800"),
+                                                                        "max_steps=1800")):
+        planned.clear()
+        args = args_of(*extra)
+        assert bench.recipe_options(args) == options
+        bench.run_accuracy(args)
+        assert sorted(planned) == [("recipe", ("sentences", 0, "auto", 1)), ("recipe", ("sentences", 0, "last", 1))]

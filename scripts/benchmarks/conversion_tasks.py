@@ -52,6 +52,8 @@ from pathlib import Path
 from . import harness, minilm
 from .conversion_tasks_jobs import (
     CORPUS,
+    QUICK_STOP_SETTINGS,
+    STOP_SETTINGS,
     recipe_options,
     recipe_variant,
     run_job,
@@ -98,9 +100,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the recipe's learning rate (default: --learning-rate; another value is a recipe option)")
     p.add_argument("--recipe-primal-learning-rate", type=float, default=None,
                    help="the primal layers' own learning rate in the recipe (default: the recipe's; an option)")
-    p.add_argument("--recipe-max-steps", type=int, default=900, help="the stopping rule's ceiling")
-    p.add_argument("--recipe-eval-steps", type=int, default=50, help="steps between the stopping rule's evaluations")
-    p.add_argument("--recipe-patience", type=int, default=3, help="evaluations without a better agreement")
+    p.add_argument("--recipe-max-steps", type=int, default=STOP_SETTINGS["recipe_max_steps"],
+                   help="the stopping rule's ceiling (another value is a recipe option)")
+    p.add_argument("--recipe-eval-steps", type=int, default=STOP_SETTINGS["recipe_eval_steps"],
+                   help="steps between the stopping rule's evaluations (another value is an option)")
+    p.add_argument("--recipe-patience", type=int, default=STOP_SETTINGS["recipe_patience"],
+                   help="evaluations without a better agreement (another value is an option)")
     p.add_argument("--recipe-heldout", type=int, default=400,
                    help="unlabeled texts held out of distillation for the stopping rule")
     p.add_argument("--unlabeled", type=int, default=6000, help="unlabeled texts for distillation")
@@ -126,7 +131,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.labels, args.seeds, args.ks, args.all_seed_ks, args.embed_ks, args.epochs = 24, "0", "1", "1", "1", 1.0
         args.reviews_labels = 24
         args.recipe_steps, args.unlabeled, args.sensitivity_steps, args.embed_steps = 2, 64, 2, 2
-        args.recipe_max_steps, args.recipe_eval_steps, args.recipe_heldout = 6, 2, 16
+        vars(args).update(QUICK_STOP_SETTINGS)
+        args.recipe_heldout = 16
         args.progressive_steps, args.warm_start_steps = 2, 2
         args.knn_index, args.workers = 40, 1
     args.tasks = [t for t in args.tasks.split(",") if t]

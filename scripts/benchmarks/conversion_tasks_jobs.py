@@ -20,6 +20,10 @@ SENSITIVITY_JSON = "conversion_sensitivity.json"
 # Each task's corpus: the layer ranking and the unlabeled distillation text are the corpus's, shared by its tasks.
 CORPUS = {"sentences": "bbc", "headlines": "bbc", "reviews": "reviews"}
 CLASSES = {"bbc": len(bbc_news.TOPICS), "reviews": len(movie_reviews.LABELS)}
+# The stopping rule's settings (full run, --quick): rows trained with others carry them in their options, so that a
+# resumed run never takes a row stopped under other settings for its own.
+STOP_SETTINGS = {"recipe_max_steps": 900, "recipe_eval_steps": 50, "recipe_patience": 3}
+QUICK_STOP_SETTINGS = {"recipe_max_steps": 6, "recipe_eval_steps": 2, "recipe_patience": 3}
 
 
 def setup():
@@ -248,13 +252,18 @@ def recipe_variant(args) -> str:
 
 def recipe_options(args) -> str:
     """What a recipe row changes from the benchmark's recipe ("" for none): progressive conversion, an
-    attention-transfer warm start, the primal layers' sampling rule and slots, the recipe's learning rates."""
+    attention-transfer warm start, the primal layers' sampling rule and slots, the recipe's learning rates, and the
+    stopping rule's ceiling, evaluation interval and patience."""
     parts = (["progressive"] if args.recipe_progressive else []) + (
         [f"transfer={args.warm_start_steps}"] if args.warm_start == "transfer" else [])
     parts += [f"sampling={args.sampling}"] if args.sampling else []
     parts += [f"rank_multi={args.rank_multi}"] if args.rank_multi != 10 else []
     parts += [f"lr={args.recipe_learning_rate:g}"] if args.recipe_learning_rate else []
     parts += [f"primal_lr={args.recipe_primal_learning_rate:g}"] if args.recipe_primal_learning_rate else []
+    if args.recipe_stop == "agreement":
+        defaults = QUICK_STOP_SETTINGS if args.quick else STOP_SETTINGS
+        parts += [f"{name[len('recipe_'):]}={getattr(args, name)}" for name, value in defaults.items()
+                  if getattr(args, name) != value]
     return " ".join(parts)
 
 
