@@ -149,6 +149,20 @@ def conversion_reviews_rows(summary) -> list[str]:
             f"{_pct(r['accuracy_mean'])} | {_pct(r['val_accuracy_mean'])} |" for r in rows]
 
 
+def conversion_options_rows(rows) -> list[str]:
+    """docs/conversion.md's comparison of recipe options under the stopping rule, from conversion_tasks.csv: one line
+    per (task, K, seed, options), the recipe's own stopping-rule row first; stock accuracy of the same seed beside."""
+    stopped = [r for r in rows if r["variant"] == "recipe-stop" and int(r["k"]) > 1]
+    stopped.sort(key=lambda r: (r["task"], int(r["k"]), int(r["seed"]), bool(r["options"]), r["options"]))
+    out = []
+    for r in stopped:
+        stock = _by(rows, task=r["task"], variant="stock", seed=r["seed"])[0]
+        out.append(f"| {r['task']} | {r['k']} | {r['seed']} | {r['options'] or '(none)'} | {r['steps_run']} | "
+                   f"{r['best_step']} | {_pct(r['val_accuracy'])} ({_pct(stock['val_accuracy'])}) | "
+                   f"{_pct(r['accuracy'])} ({_pct(stock['accuracy'])}) |")
+    return out
+
+
 def selection_vs_last_rows(rows) -> list[str]:
     """docs/conversion.md's paired comparison, from conversion_tasks.csv: measured selection minus last K, in points,
     over the seeds both ran (mean ± std of the per-seed differences; number of seeds)."""
@@ -386,6 +400,10 @@ def test_conversion_and_headline_figures_are_those_of_the_results_files():
     for line in conversion_cost_rows(_csv_rows(results / "conversion_tasks_summary.csv")):
         assert line in conversion, line
     assert sensitivity_line(results) in conversion
+    options = conversion_options_rows(_csv_rows(results / "conversion_tasks.csv"))
+    assert options
+    for line in options:
+        assert line in conversion, line
     for line in selection_vs_last_rows(_csv_rows(results / "conversion_tasks.csv")):
         assert line in conversion, line
     for line in headline_rows(results):
