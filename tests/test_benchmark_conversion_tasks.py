@@ -175,9 +175,11 @@ def test_quick_run_records_what_the_stopping_rule_chose(quick_run):
     # The fixed recipe rows stay as they were; the stopping rule adds rows of its own for the same task, layers, seed.
     assert {(r["task"], r["selection"], r["layers"]) for r in stopped} == {
         (r["task"], r["selection"], r["layers"]) for r in fixed}
-    assert all(r["steps_run"] == "2" and r["best_step"] == "" for r in fixed)
+    assert all(r["steps_run"] == "2" and r["best_step"] == "" and r["best_agreement"] == "" for r in fixed)
     for r in stopped:  # --quick: evaluations every 2 steps, at most 6 steps
         assert int(r["best_step"]) in (2, 4, 6) and int(r["best_step"]) <= int(r["steps_run"]) <= 6
+        # The agreement the kept step reached: a share of the 16 held-out texts.
+        assert 0 <= float(r["best_agreement"]) <= 1 and (16 * float(r["best_agreement"])).is_integer()
 
 
 def test_quick_run_keeps_rows_of_other_options_apart(quick_run):

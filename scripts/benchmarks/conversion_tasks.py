@@ -232,9 +232,9 @@ def summarise(rows: list[dict]) -> list[dict]:
             entry[f"{metric}_mean"] = round(statistics.fmean(values), 4)
             entry[f"{metric}_std"] = round(statistics.stdev(values), 4) if len(values) > 1 else 0.0
         entry["seconds_mean"] = round(statistics.fmean(float(m["seconds"]) for m in members), 1)
-        for field in ("val_accuracy", "steps_run", "best_step"):  # where recorded (the stopping rule: recipe-stop)
+        for field in ("val_accuracy", "steps_run", "best_step", "best_agreement"):  # where recorded (recipe-stop)
             values = [float(m[field]) for m in members if m.get(field) not in (None, "")]
-            digits = 4 if field == "val_accuracy" else 1
+            digits = 4 if field in ("val_accuracy", "best_agreement") else 1
             entry[f"{field}_mean"] = round(statistics.fmean(values), digits) if values else ""
         out.append(entry)
     return out

@@ -206,6 +206,7 @@ def job_recipe(args, task_name, seed, selection, k):
              "selection": selection, "k": k, "layers": " ".join(map(str, sorted(order))),
              "order": " ".join(map(str, order)), "seed": seed, "seconds": round(time.time() - started, 1),
              "steps_run": trained.get("steps_run", ""), "best_step": trained.get("best_step") or "",
+             "best_agreement": trained.get("best_value") if trained.get("best_step") else "",
              **scores(student, tokenizer, task, args)}]
 
 
