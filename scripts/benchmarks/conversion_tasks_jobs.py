@@ -23,7 +23,7 @@ CLASSES = {"bbc": len(bbc_news.TOPICS), "reviews": len(movie_reviews.LABELS)}
 # The stopping rule's settings (full run, --quick): rows trained with others carry them in their options, so that a
 # resumed run never takes a row stopped under other settings for its own.
 STOP_SETTINGS = {"recipe_max_steps": 900, "recipe_eval_steps": 50, "recipe_patience": 3}
-QUICK_STOP_SETTINGS = {"recipe_max_steps": 6, "recipe_eval_steps": 2, "recipe_patience": 3}
+QUICK_STOP_SETTINGS = {**STOP_SETTINGS, "recipe_max_steps": 6, "recipe_eval_steps": 2}
 
 
 def setup():
