@@ -53,6 +53,7 @@ from . import harness, minilm
 from .conversion_tasks_jobs import (
     CORPUS,
     QUICK_STOP_SETTINGS,
+    RANK_MULTI,
     STOP_SETTINGS,
     recipe_options,
     recipe_variant,
@@ -114,7 +115,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--knn-index", type=int, default=2000, help="training-article sentences in the k-NN index")
     p.add_argument("--max-length", type=int, default=64)
     p.add_argument("--low-rank", type=int, default=30)
-    p.add_argument("--rank-multi", type=int, default=10)
+    p.add_argument("--rank-multi", type=int, default=RANK_MULTI)
     p.add_argument("--sampling", default=None, help="the primal layers' sampling rule (default: the library's)")
     p.add_argument("--eta", type=float, default=0.1)
     p.add_argument("--workers", type=int, default=2, help="one-thread worker processes")
