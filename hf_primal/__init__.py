@@ -22,6 +22,7 @@ __all__ = [
     "PrimalTrainer",
     "lora_config",
     "convert",
+    "progressive_conversion",
     "ConversionArguments",
     "layer_sensitivity",
     "LayerSensitivity",
@@ -62,6 +63,7 @@ def _import_all() -> None:
     from .tools.conversion_arguments import ConversionArguments
     from .tools.convert import convert, text_batches
     from .tools.embedding_metrics import knn_accuracy, neighbour_overlap
+    from .tools.progressive import progressive_conversion
     from .tools.selection import LayerSensitivity, layer_sensitivity
     from .tools.uncertainty import predict_with_uncertainty
     from .training.lora import lora_config

@@ -256,52 +256,6 @@ def test_schedule_runs_every_row_once_first_seeds_first_both_selections_alike():
         bench.parse_args(["--tasks", "sentences,imdb"])
 
 
-def test_progressive_conversion_converts_in_the_given_order_and_carries_trained_weights():
-    from transformers import BertForSequenceClassification
-
-    from hf_primal import PrimalAttentionConfig
-    from scripts.benchmarks.conversion_tasks_jobs import progressive_student
-    from tests.conftest import bert_config
-
-    torch.manual_seed(0)
-    teacher = BertForSequenceClassification(bert_config(num_hidden_layers=4, num_labels=3)).eval()
-
-    def primal_params(model, layer):
-        return [p for name, p in model.named_parameters() if f"layer.{layer}." in name and ".primal." in name]
-
-    stages = []
-
-    def distil(model, steps):
-        assert steps == 7
-        layers = PrimalAttentionConfig.coerce(model.config.primal_attention).layers
-        if stages:  # the layers of the stage before carry their trained weights; the new one starts fresh
-            assert all(bool((p == len(stages)).all()) for layer in stages[-1] for p in primal_params(model, layer))
-            new = set(layers) - set(stages[-1])
-            assert all(not bool((p == len(stages)).all()) for layer in new for p in primal_params(model, layer))
-        stages.append(list(layers))
-        with torch.no_grad():
-            for layer in layers:
-                for p in primal_params(model, layer):
-                    p.fill_(len(stages))
-            model.classifier.weight.add_(1.0)
-
-    def spec_of(layers):
-        return PrimalAttentionConfig(layers=layers, low_rank=2, rank_multi=1)
-
-    student = progressive_student(teacher, [2, 0, 3], spec_of, distil, steps=7)
-    # Converted in the order given (not sorted), distilled after each stage but the last.
-    assert stages == [[2], [0, 2]]
-    assert PrimalAttentionConfig.coerce(student.config.primal_attention).layers == [0, 2, 3]
-    assert all(bool((p == 2).all()) for layer in (0, 2) for p in primal_params(student, layer))
-    assert primal_params(student, 3) and not any(bool((p == 2).all()) for p in primal_params(student, 3))
-    assert torch.allclose(student.classifier.weight, teacher.classifier.weight + 2.0)  # the rest carried over too
-    assert getattr(teacher.config, "primal_attention", None) is None  # the teacher itself stays stock
-    # All at once: one stage, no distillation in between.
-    stages.clear()
-    at_once = progressive_student(teacher, [[2, 0, 3]], spec_of, distil, steps=7)
-    assert stages == [] and PrimalAttentionConfig.coerce(at_once.config.primal_attention).layers == [0, 2, 3]
-
-
 def test_last_layers_count_down_from_the_checkpoints_top_layer():
     from transformers import AutoConfig
 

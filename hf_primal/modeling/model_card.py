@@ -94,6 +94,9 @@ def _conversion_section(report: dict[str, Any]) -> list[str]:
     selection = report.get("layer_selection")
     if selection:
         lines += _layer_selection_lines(selection)
+    if report.get("progressive"):
+        stages = " -> ".join(" ".join(map(str, stage)) for stage in report["progressive"])
+        lines.append(f"- converted progressively, layers in this order, trained after each stage: {stages}")
     if report.get("verdict"):
         lines += ["", f"Verdict: {report['verdict']}."]
     training = report.get("training")

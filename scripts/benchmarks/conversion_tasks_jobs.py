@@ -35,12 +35,13 @@ def setup():
     hf_logging.disable_progress_bar()
 
 
-def primal_spec(args, layers):
+def primal_spec(args, layers=None):
+    """The benchmark's primal-layer settings at `layers` (None: without layers, for `progressive_conversion`)."""
     from hf_primal import PrimalAttentionConfig
 
-    sampling = {"sampling": args.sampling} if getattr(args, "sampling", None) else {}
-    return PrimalAttentionConfig(layers=list(layers), low_rank=args.low_rank, rank_multi=args.rank_multi, eta=args.eta,
-                                 **sampling)
+    extra = {"sampling": args.sampling} if getattr(args, "sampling", None) else {}
+    extra.update({"layers": list(layers)} if layers is not None else {})
+    return PrimalAttentionConfig(low_rank=args.low_rank, rank_multi=args.rank_multi, eta=args.eta, **extra)
 
 
 def sensitivity_file(corpus: str) -> str:
@@ -177,6 +178,8 @@ def job_sensitivity(args, corpus="bbc"):
 def job_recipe(args, task_name, seed, selection, k):
     from transformers import BertForSequenceClassification
 
+    from hf_primal import progressive_conversion
+
     task, unlabeled = task_data(args, task_name)
     tokenizer = minilm.tokenizer()
     order = conversion_order(args, selection, k, CORPUS[task_name])
@@ -199,8 +202,11 @@ def job_recipe(args, task_name, seed, selection, k):
                         steps=steps, heldout=heldout, learning_rate=args.recipe_learning_rate,
                         primal_learning_rate=args.recipe_primal_learning_rate)
 
-        student = progressive_student(teacher, order if args.recipe_progressive else [order],
-                                      lambda layers: primal_spec(args, layers), distil, args.progressive_steps, warm)
+        stages = order if args.recipe_progressive else [order]
+        for stage, student in enumerate(progressive_conversion(teacher, primal_spec(args), stages, progress=False,
+                                                               **warm)):
+            if stage < len(stages) - 1:
+                distil(student, args.progressive_steps)
         distil(student, args.recipe_max_steps if stop else args.recipe_steps, heldout)
     trained = student.primal_conversion_report.get("training") or {}
     return [{"task": task_name, "variant": recipe_variant(args), "options": recipe_options(args),
@@ -215,28 +221,6 @@ def scores(model, tokenizer, task, args) -> dict:
     """Test accuracy and macro-F1, and validation accuracy (what settings are chosen on)."""
     validation = evaluate(model, tokenizer, task.validation, args.max_length)["accuracy"]
     return {**evaluate(model, tokenizer, task.test, args.max_length), "val_accuracy": validation}
-
-
-def progressive_student(teacher, stages, spec_of, distil, steps, convert_options=None):
-    """A copy of `teacher` converted stage by stage: `stages` lists layer indices (or lists of them) in the order
-    they become primal; after each stage but the last the student is distilled for `steps` steps, and the next stage
-    starts from it (its trained weights carried over, the newly converted layer's own primal weights fresh).
-    `convert_options` go to each stage's `convert` (an attention-transfer warm start, say)."""
-    from hf_primal import convert
-
-    student, done = None, []
-    for i, stage in enumerate(stages):
-        done += list(stage) if isinstance(stage, (list, tuple)) else [stage]
-        new = convert(copy.deepcopy(teacher), spec_of(sorted(done)), progress=False, **(convert_options or {}))
-        if student is not None:
-            missing, _ = new.load_state_dict(student.state_dict(), strict=False)  # the value projections go
-            fresh = [name for name in missing if ".primal." not in name]
-            if fresh:
-                raise RuntimeError(f"progressive conversion: weights not carried over: {fresh[:5]}")
-        student = new
-        if i < len(stages) - 1:
-            distil(student, steps)
-    return student
 
 
 def conversion_order(args, selection, k, corpus="bbc") -> list[int]:
