@@ -182,6 +182,35 @@ def selection_vs_last_rows(rows) -> list[str]:
     return out
 
 
+# The recipe options docs/conversion.md names for every layer primal (chosen on validation, sentences seed 0).
+EVERY_LAYER_OPTIONS = "progressive primal_lr=0.001"
+
+
+def every_layer_rows(rows) -> list[str]:
+    """docs/conversion.md's table of every layer primal on each task, from conversion_tasks.csv: the recipe at its
+    fixed budget, under the stopping rule, and with the options chosen for every layer; each against the stock
+    model of the same seeds (mean test accuracy; mean ± std of the per-seed differences in points)."""
+    out = []
+    for task in ("sentences", "headlines", "reviews"):
+        stock = {r["seed"]: r for r in _by(rows, task=task, variant="stock")}
+        for variant, options in (("recipe", ""), ("recipe-stop", ""), ("recipe-stop", EVERY_LAYER_OPTIONS)):
+            runs = {r["seed"]: r for r in _by(rows, task=task, variant=variant, options=options, k=6)}
+            if not runs:
+                continue
+            seeds = sorted(runs, key=int)
+            diffs = [100 * (float(runs[s]["accuracy"]) - float(stock[s]["accuracy"])) for s in seeds]
+            spread = f" ± {statistics.stdev(diffs):.1f}" if len(diffs) > 1 else ""
+
+            def mean(src, key, seeds=seeds):
+                values = [src[s][key] for s in seeds]
+                return _pct(statistics.fmean(map(float, values))) if all(values) else "-"
+
+            out.append(f"| {task} | {variant} | {options or '(none)'} | {' '.join(seeds)} | "
+                       f"{mean(runs, 'accuracy')} ({mean(stock, 'accuracy')}) | {statistics.fmean(diffs):+.1f}{spread} "
+                       f"| {mean(runs, 'val_accuracy')} ({mean(stock, 'val_accuracy')}) |")
+    return out
+
+
 def conversion_embedding_rows(rows) -> list[str]:
     """docs/conversion.md's frozen-embedding table, from scripts/benchmarks/results/conversion_embeddings.csv."""
     ordered = sorted(rows, key=lambda r: (int(r["k"]), r["selection"]))
@@ -405,6 +434,10 @@ def test_conversion_and_headline_figures_are_those_of_the_results_files():
     for line in options:
         assert line in conversion, line
     for line in selection_vs_last_rows(_csv_rows(results / "conversion_tasks.csv")):
+        assert line in conversion, line
+    every_layer = every_layer_rows(_csv_rows(results / "conversion_tasks.csv"))
+    assert every_layer
+    for line in every_layer:
         assert line in conversion, line
     for line in headline_rows(results):
         assert line in README, line
