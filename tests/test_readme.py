@@ -194,10 +194,12 @@ def every_layer_rows(rows) -> list[str]:
     for task in ("sentences", "headlines", "reviews"):
         stock = {r["seed"]: r for r in _by(rows, task=task, variant="stock")}
         for variant, options in (("recipe", ""), ("recipe-stop", ""), ("recipe-stop", EVERY_LAYER_OPTIONS)):
-            runs = {r["seed"]: r for r in _by(rows, task=task, variant=variant, options=options, k=6)}
+            runs = {r["seed"]: r for r in _by(rows, task=task, variant=variant, options=options, selection="last",
+                                                 k=6)}
             if not runs:
                 continue
             seeds = sorted(runs, key=int)
+            assert set(seeds) <= set(stock), f"{task}: a seed without its stock row: {sorted(set(seeds) - set(stock))}"
             diffs = [100 * (float(runs[s]["accuracy"]) - float(stock[s]["accuracy"])) for s in seeds]
             spread = f" ± {statistics.stdev(diffs):.1f}" if len(diffs) > 1 else ""
 

@@ -94,7 +94,7 @@ def _conversion_section(report: dict[str, Any]) -> list[str]:
     selection = report.get("layer_selection")
     if selection:
         lines += _layer_selection_lines(selection)
-    if report.get("progressive"):
+    if len(report.get("progressive") or []) > 1:  # one stage is a plain conversion
         stages = " -> ".join(" ".join(map(str, stage)) for stage in report["progressive"])
         lines.append(f"- converted progressively, layers in this order, trained after each stage: {stages}")
     if report.get("verdict"):

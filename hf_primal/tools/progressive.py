@@ -2,21 +2,23 @@
 
 Converting every layer at once leaves no softmax layer to make up for the others. Converted in stages, each stage
 starts from a network that has already adapted to the stages before it; on all-MiniLM-L6-v2 with every layer primal
-this validated best of the options measured (docs/conversion.md, "Every layer primal").
+it tied for the best validation accuracy of the options measured (docs/conversion.md).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import numbers
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 from torch import nn
 
 from ..modeling.architecture import base_model
 from ..modeling.config import PrimalAttentionConfig
 from ..models import find_architecture
+from .conversion_arguments import ConversionArguments
 from .convert import convert
 
 Stage = Union[int, Sequence[int]]
@@ -30,11 +32,15 @@ def _stages(model: nn.Module, order: Sequence[Stage]) -> list[list[int]]:
                          f"indices or lists of them (the model has {count} layers, 0..{count - 1} or -1..-{count}).")
     stages, seen = [], set()
     for stage in order:
-        indices = [stage] if isinstance(stage, int) else list(stage) if isinstance(stage, Sequence) else [stage]
+        indices = list(stage) if isinstance(stage, Sequence) and not isinstance(stage, str) else [stage]
         resolved = []
         for index in indices:
-            if isinstance(index, bool) or not isinstance(index, int) or not -count <= index < count:
-                raise ValueError(f"progressive_conversion: layer {index!r} in order={list(order)!r} is not allowed: "
+            if isinstance(index, bool) or not isinstance(index, numbers.Integral):
+                raise ValueError(f"progressive_conversion: {index!r} in order={list(order)!r} is not allowed: a "
+                                 "stage is a layer index (int) or a list of them.")
+            index = int(index)
+            if not -count <= index < count:
+                raise ValueError(f"progressive_conversion: layer {index} in order={list(order)!r} is not allowed: "
                                  f"the model has {count} layers (0..{count - 1} or -1..-{count}).")
             if index % count in seen:
                 raise ValueError(f"progressive_conversion: layer {index!r} appears twice in order={list(order)!r}; "
@@ -50,8 +56,12 @@ def _stages(model: nn.Module, order: Sequence[Stage]) -> list[list[int]]:
 def progressive_conversion(
     model: nn.Module,
     config: Union[PrimalAttentionConfig, Mapping[str, Any], None] = None,
-    order: Sequence[Stage] = (-1,),
-    **convert_options: Any,
+    *,
+    order: Sequence[Stage],
+    calibration_data: Any = None,
+    args: Optional[ConversionArguments] = None,
+    progress: bool = True,
+    **options: Any,
 ) -> Iterator[nn.Module]:
     """Yield copies of `model` with more of its layers primal at each stage; train each before asking for the next.
 
@@ -68,9 +78,11 @@ def progressive_conversion(
         order: the stages, first converted first: layer indices (negative counts from the top), or lists of them
             for several layers in one stage; each layer at most once. For instance the ranking of
             `layer_sensitivity` (cheapest first), or ``range(n - 1, -1, -1)`` for the top layer first.
-        **convert_options: passed to each stage's `convert` (``calibration_data=..., method="transfer"`` for an
-            attention-transfer warm start of the new layers, ``progress=False``); not `layers` or
-            `num_primal_layers`.
+        calibration_data, args, progress, **options: as for `convert`, applied at each stage (not `layers` or
+            `num_primal_layers`). With calibration data each stage's fresh copy is adapted before the weights of the
+            stage before are loaded into it, so only the new layers' primal weights keep what it fitted: a warm
+            start of the new layers (``method="transfer"`` fits each to its softmax layer's outputs). The
+            conversion report keeps the method and the data, not the figures of that copy.
 
     Example:
         >>> import torch, hf_primal
@@ -83,9 +95,10 @@ def progressive_conversion(
         >>> student.config.primal_attention["layers"], student.primal_conversion_report["progressive"]
         ([0, 1, 2], [[2], [1], [0]])
     """
+    arguments = ConversionArguments.from_keywords(args, options)  # a bad option fails here, at the call
     for name in ("layers", "num_primal_layers"):
-        if name in convert_options:
-            raise ValueError(f"progressive_conversion: {name}={convert_options[name]!r} is not allowed here: the "
+        if getattr(arguments, name) is not None:
+            raise ValueError(f"progressive_conversion: {name}={getattr(arguments, name)!r} is not allowed here: the "
                              "layers come from `order`.")
     if getattr(getattr(model, "config", None), "primal_attention", None) is not None:
         raise ValueError(f"progressive_conversion: {type(model).__name__} already has primal_attention="
@@ -95,7 +108,9 @@ def progressive_conversion(
     if isinstance(config, Mapping) and "layers" in config or spec.layers != PrimalAttentionConfig().layers:
         raise ValueError(f"progressive_conversion: config layers={spec.layers!r} is not allowed: the layers come "
                          "from `order`; leave them out of the config.")
-    return _converted_stages(model, spec, _stages(model, order), convert_options)  # bad input fails here, now
+    stages = _stages(model, order)
+    return _converted_stages(model, spec, stages, dict(calibration_data=calibration_data, args=arguments,
+                                                       progress=progress))
 
 
 def _converted_stages(model: nn.Module, spec: PrimalAttentionConfig, stages: list[list[int]],
@@ -110,7 +125,9 @@ def _converted_stages(model: nn.Module, spec: PrimalAttentionConfig, stages: lis
             if fresh:  # anything but the new layers' primal weights must come from the stage before
                 raise RuntimeError(f"progressive_conversion: weights not carried over from the previous stage: "
                                    f"{fresh[:5]}")
-        report = dict(getattr(current, "primal_conversion_report", None) or {})
+        # The adapted copy's figures do not describe the model yielded (its weights were replaced): keep what was done.
+        report = {key: value for key, value in (getattr(current, "primal_conversion_report", None) or {}).items()
+                  if key in ("method", "calibration")}
         report["progressive"] = [list(s) for s in stages[: i + 1]]
         current.primal_conversion_report = report
         previous = current

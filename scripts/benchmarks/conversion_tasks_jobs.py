@@ -203,8 +203,8 @@ def job_recipe(args, task_name, seed, selection, k):
                         primal_learning_rate=args.recipe_primal_learning_rate)
 
         stages = order if args.recipe_progressive else [order]
-        for stage, student in enumerate(progressive_conversion(teacher, primal_spec(args), stages, progress=False,
-                                                               **warm)):
+        converted = progressive_conversion(teacher, primal_spec(args), order=stages, progress=False, **warm)
+        for stage, student in enumerate(converted):
             if stage < len(stages) - 1:
                 distil(student, args.progressive_steps)
         distil(student, args.recipe_max_steps if stop else args.recipe_steps, heldout)
