@@ -109,3 +109,20 @@ def test_docstring_example_runs():
 
     result = doctest.testmod(progressive, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_the_last_stage_saves_and_reloads_with_its_stages_on_the_card(tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    teacher = _teacher(layers=3)
+    for student in hf_primal.progressive_conversion(teacher, {"low_rank": 2, "rank_multi": 1}, order=[2, [1, 0]],
+                                                    progress=False):
+        with torch.no_grad():
+            student.classifier.bias.add_(0.5)  # stands in for training: the saved folder must carry it
+    hf_primal.save_converted(student, tmp_path / "out")
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "trained after each stage: 2 -> 1 0" in card
+    reloaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "out").eval()
+    ids = torch.randint(1, 99, (2, 12))
+    assert torch.allclose(reloaded(input_ids=ids).logits, student.eval()(input_ids=ids).logits, atol=1e-6)
+    assert hf_primal.primal_layers(reloaded) == hf_primal.primal_layers(student)
