@@ -17,16 +17,15 @@ from torch import nn
 
 from ..modeling.architecture import base_model
 from ..modeling.config import PrimalAttentionConfig
-from ..models import find_architecture
 from .conversion_arguments import ConversionArguments
-from .convert import convert
+from .convert import _check_model, convert
 
 Stage = Union[int, Sequence[int]]
 
 
-def _stages(model: nn.Module, order: Sequence[Stage]) -> list[list[int]]:
-    """`order` as lists of non-negative layer indices; refuses an empty order or stage, a bad index, a repeat."""
-    count = len(find_architecture(model).list_layers(base_model(model)[0]))
+def _stages(count: int, order: Sequence[Stage]) -> list[list[int]]:
+    """`order` as lists of non-negative indices of `count` layers; refuses an empty order or stage, a bad index, a
+    repeat."""
     if isinstance(order, (int, str)) or not isinstance(order, Sequence) or not order:
         raise ValueError(f"progressive_conversion: order={order!r} is not allowed: give a non-empty list of layer "
                          f"indices or lists of them (the model has {count} layers, 0..{count - 1} or -1..-{count}).")
@@ -100,15 +99,11 @@ def progressive_conversion(
         if getattr(arguments, name) is not None:
             raise ValueError(f"progressive_conversion: {name}={getattr(arguments, name)!r} is not allowed here: the "
                              "layers come from `order`.")
-    if getattr(getattr(model, "config", None), "primal_attention", None) is not None:
-        raise ValueError(f"progressive_conversion: {type(model).__name__} already has primal_attention="
-                         f"{model.config.primal_attention}; start from the stock model (reload it without "
-                         "primal_attention).")
-    spec = PrimalAttentionConfig.coerce(config if config is not None else PrimalAttentionConfig())
+    spec, architecture = _check_model(model, config)  # convert's refusals (unsupported, already primal), at the call
     if isinstance(config, Mapping) and "layers" in config or spec.layers != PrimalAttentionConfig().layers:
         raise ValueError(f"progressive_conversion: config layers={spec.layers!r} is not allowed: the layers come "
                          "from `order`; leave them out of the config.")
-    stages = _stages(model, order)
+    stages = _stages(len(architecture.list_layers(base_model(model)[0])), order)
     return _converted_stages(model, spec, stages, dict(calibration_data=calibration_data, args=arguments,
                                                        progress=progress))
 
