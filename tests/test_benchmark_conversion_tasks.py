@@ -293,6 +293,52 @@ def test_the_recipes_learning_rates_reach_the_optimizer(tmp_path):
     assert primal > 100 * other > 0
 
 
+@pytest.mark.parametrize("target", ["logits", "hidden"])
+def test_the_stopping_rule_keeps_the_best_held_out_step_of_the_distilled_target(tmp_path, monkeypatch, target):
+    # Logit distillation stops on held-out agreement with the teacher (higher is better); hidden-state distillation
+    # has no prediction to agree on and stops on the held-out distillation loss (lower is better). The step kept is
+    # checked against the evaluations the trainer logged.
+    import copy
+
+    from transformers import BertConfig, BertForSequenceClassification
+
+    import hf_primal
+    from scripts.benchmarks import conversion_tasks as bench
+    from scripts.benchmarks import minilm
+    from scripts.benchmarks.conversion_tasks_jobs import train_model
+
+    trainers = []
+
+    class Spy(hf_primal.PrimalTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            trainers.append(self)
+
+    monkeypatch.setattr(hf_primal, "PrimalTrainer", Spy)
+    tokenizer = minilm.tokenizer()
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=32, num_labels=2)
+    teacher = BertForSequenceClassification(config).eval()
+    student = hf_primal.convert(copy.deepcopy(teacher), {"layers": "all", "low_rank": 4, "rank_multi": 2})
+    rows = [(f"text number {i} about {'films' if i % 2 else 'sport'}", i % 2) for i in range(16)]
+    texts = [f"another text, number {i}, on {'music' if i % 3 else 'travel'}" for i in range(24)]
+    args = bench.parse_args(["--batch-size", "4", "--max-length", "16", "--recipe-stop", "agreement",
+                             "--recipe-eval-steps", "1", "--recipe-patience", "50", "--recipe-distill-target", target])
+    assert ("distill=hidden" in bench.recipe_options(args)) == (target == "hidden")
+    train_model(student, tokenizer, rows, args, 0, str(tmp_path), teacher=teacher, unlabeled=texts[8:], steps=6,
+                heldout=texts[:8], learning_rate=1e-3)
+    (trainer,) = trainers
+    assert trainer.distill_target == target
+    metric = "teacher_agreement" if target == "logits" else "distill_loss"
+    evals = [(log["step"], log[f"eval_{metric}"]) for log in trainer.state.log_history if f"eval_{metric}" in log]
+    assert len(evals) == 6
+    best = (max if target == "logits" else min)(value for _, value in evals)
+    record = student.primal_conversion_report["training"]
+    assert record["metric"] == metric and record["best_value"] == pytest.approx(best)
+    assert record["best_step"] == next(step for step, value in evals if value == best)
+
+
 def test_a_row_stopped_under_other_stopping_settings_is_not_taken_for_this_runs(tmp_path, monkeypatch):
     from scripts.benchmarks import conversion_tasks as bench
     from scripts.benchmarks import harness

@@ -22,7 +22,9 @@ Rows of ``conversion_tasks.csv`` (test split, per seed; every variant fine-tunes
 * recipe options (rows of their own, named in the ``options`` column): ``--recipe-progressive`` makes the K layers
   primal one at a time in the order they are chosen (the measured ranking, cheapest first; for ``last``, from the top
   down), with ``--progressive-steps`` of the same distillation after each but the last (``order`` records it);
-  ``--warm-start transfer``, ``--sampling`` and ``--rank-multi`` likewise.
+  ``--warm-start transfer``, ``--sampling`` and ``--rank-multi`` likewise; ``--recipe-distill-target hidden``
+  distils the teacher's final hidden states instead of its logits, and the stopping rule then follows the
+  held-out distillation loss.
 
 ``conversion_embeddings.csv``: the frozen pretrained encoder converted at K layers with ``convert(...,
 method="distill")`` on the unlabeled text; on held-out sentences, the mean-pooled embedding cosine with the original,
@@ -97,6 +99,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="transfer: attention transfer (convert(method='transfer')) on unlabeled text before the "
                         "recipe's distillation (rows with options `transfer=<steps>`)")
     p.add_argument("--warm-start-steps", type=int, default=100)
+    p.add_argument("--recipe-distill-target", choices=("logits", "hidden"), default="logits",
+                   help="what the recipe distils: the teacher's logits, or its final hidden states (every token and "
+                        "the mean-pooled one; the stopping rule then follows the held-out distillation loss; rows "
+                        "with options `distill=hidden`)")
     p.add_argument("--recipe-learning-rate", type=float, default=None,
                    help="the recipe's learning rate (default: --learning-rate; another value is a recipe option)")
     p.add_argument("--recipe-primal-learning-rate", type=float, default=None,

@@ -104,7 +104,7 @@ def train_model(model, tokenizer, train_rows, args, seed, workdir, *, teacher=No
     if heldout is not None:
         stopping = dict(eval_strategy="steps", eval_steps=args.recipe_eval_steps, save_strategy="steps",
                         save_steps=args.recipe_eval_steps, save_total_limit=2, load_best_model_at_end=True,
-                        metric_for_best_model="teacher_agreement", per_device_eval_batch_size=128)
+                        metric_for_best_model=stopping_metric(args), per_device_eval_batch_size=128)
     training = TrainingArguments(
         output_dir=workdir, per_device_train_batch_size=args.batch_size,
         learning_rate=learning_rate or args.learning_rate, num_train_epochs=args.epochs, max_steps=steps or -1,
@@ -117,13 +117,20 @@ def train_model(model, tokenizer, train_rows, args, seed, workdir, *, teacher=No
     if primal and primal_learning_rate:
         kwargs["primal_learning_rate"] = primal_learning_rate
     if teacher is not None:
-        kwargs.update(teacher=teacher, distill_target="logits",
+        kwargs.update(teacher=teacher, distill_target=args.recipe_distill_target,
                       distill_dataset=tokenised(tokenizer, unlabeled, args.max_length, labels=False))
     if heldout is not None:
         kwargs.update(eval_dataset=tokenised(tokenizer, heldout, args.max_length, labels=False),
                       callbacks=[EarlyStoppingCallback(early_stopping_patience=args.recipe_patience)])
     (PrimalTrainer if primal else Trainer)(**kwargs).train()
     return model
+
+
+def stopping_metric(args) -> str:
+    """What the stopping rule follows on the held-out texts: top-1 agreement with the teacher's logits, or, when the
+    recipe distils hidden states (no prediction to agree on), the held-out distillation loss (lower is better, which
+    transformers infers from the name)."""
+    return "teacher_agreement" if args.recipe_distill_target == "logits" else "distill_loss"
 
 
 def job_teacher(args, task_name, seed):
@@ -213,7 +220,8 @@ def job_recipe(args, task_name, seed, selection, k):
              "selection": selection, "k": k, "layers": " ".join(map(str, sorted(order))),
              "order": " ".join(map(str, order)), "seed": seed, "seconds": round(time.time() - started, 1),
              "steps_run": trained.get("steps_run", ""), "best_step": trained.get("best_step") or "",
-             "best_agreement": trained.get("best_value") if trained.get("best_step") else "",
+             "best_agreement": trained.get("best_value") if trained.get("best_step") and
+             trained.get("metric") == "teacher_agreement" else "",
              **scores(student, tokenizer, task, args)}]
 
 
@@ -238,12 +246,13 @@ def recipe_variant(args) -> str:
 
 def recipe_options(args) -> str:
     """What a recipe row changes from the benchmark's recipe ("" for none): progressive conversion, an
-    attention-transfer warm start, the primal layers' sampling rule and slots, the recipe's learning rates, and the
-    stopping rule's ceiling, evaluation interval and patience."""
+    attention-transfer warm start, the primal layers' sampling rule and slots, a hidden-state distillation target, the
+    recipe's learning rates, and the stopping rule's ceiling, evaluation interval and patience."""
     parts = (["progressive"] if args.recipe_progressive else []) + (
         [f"transfer={args.warm_start_steps}"] if args.warm_start == "transfer" else [])
     parts += [f"sampling={args.sampling}"] if args.sampling else []
     parts += [f"rank_multi={args.rank_multi}"] if args.rank_multi != RANK_MULTI else []
+    parts += [f"distill={args.recipe_distill_target}"] if args.recipe_distill_target != "logits" else []
     parts += [f"lr={args.recipe_learning_rate:g}"] if args.recipe_learning_rate else []
     parts += [f"primal_lr={args.recipe_primal_learning_rate:g}"] if args.recipe_primal_learning_rate else []
     if args.recipe_stop == "agreement":
