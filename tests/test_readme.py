@@ -182,8 +182,10 @@ def selection_vs_last_rows(rows) -> list[str]:
     return out
 
 
-# The recipe options docs/conversion.md names for every layer primal (chosen on validation, sentences seed 0).
+# The recipe options docs/conversion.md names for every layer primal (chosen on validation, sentences seed 0), and
+# the candidates its every-layer table compares on each task.
 EVERY_LAYER_OPTIONS = "progressive primal_lr=0.001"
+EVERY_LAYER_CANDIDATES = ("progressive primal_lr=0.001", "progressive primal_lr=0.001 patience=6")
 
 
 def every_layer_rows(rows) -> list[str]:
@@ -193,7 +195,8 @@ def every_layer_rows(rows) -> list[str]:
     out = []
     for task in ("sentences", "headlines", "reviews"):
         stock = {r["seed"]: r for r in _by(rows, task=task, variant="stock")}
-        for variant, options in (("recipe", ""), ("recipe-stop", ""), ("recipe-stop", EVERY_LAYER_OPTIONS)):
+        for variant, options in (("recipe", ""), ("recipe-stop", ""),
+                                 *(("recipe-stop", options) for options in EVERY_LAYER_CANDIDATES)):
             runs = {r["seed"]: r for r in _by(rows, task=task, variant=variant, options=options, selection="last",
                                                  k=6)}
             if not runs:
