@@ -129,8 +129,10 @@ def train_model(model, tokenizer, train_rows, args, seed, workdir, *, teacher=No
 def stopping_metric(args) -> str:
     """What the stopping rule follows on the held-out texts: top-1 agreement with the teacher's logits, or, when the
     recipe distils hidden states (no prediction to agree on), the held-out distillation loss (lower is better, which
-    transformers infers from the name)."""
-    return "teacher_agreement" if args.recipe_distill_target == "logits" else "distill_loss"
+    transformers infers from the name). The names are those `PrimalTrainer` logs."""
+    from hf_primal.training.teacher_agreement import AGREEMENT, DISTILL
+
+    return AGREEMENT if args.recipe_distill_target == "logits" else DISTILL
 
 
 def job_teacher(args, task_name, seed):
@@ -186,6 +188,7 @@ def job_recipe(args, task_name, seed, selection, k):
     from transformers import BertForSequenceClassification
 
     from hf_primal import progressive_conversion
+    from hf_primal.training.teacher_agreement import AGREEMENT
 
     task, unlabeled = task_data(args, task_name)
     tokenizer = minilm.tokenizer()
@@ -220,8 +223,8 @@ def job_recipe(args, task_name, seed, selection, k):
              "selection": selection, "k": k, "layers": " ".join(map(str, sorted(order))),
              "order": " ".join(map(str, order)), "seed": seed, "seconds": round(time.time() - started, 1),
              "steps_run": trained.get("steps_run", ""), "best_step": trained.get("best_step") or "",
-             "best_agreement": trained.get("best_value") if trained.get("best_step") and
-             trained.get("metric") == "teacher_agreement" else "",
+             # StoppingRecord names a metric only when it restored a best step.
+             "best_agreement": trained.get("best_value") if trained.get("metric") == AGREEMENT else "",
              **scores(student, tokenizer, task, args)}]
 
 
