@@ -339,7 +339,9 @@ def test_the_stopping_rule_keeps_the_best_held_out_step_of_the_distilled_target(
     assert record["best_step"] == next(step for step, value in evals if value == best)
 
 
-def test_a_row_stopped_under_other_stopping_settings_is_not_taken_for_this_runs(tmp_path, monkeypatch):
+def test_a_row_trained_under_other_settings_is_not_taken_for_this_runs(tmp_path, monkeypatch):
+    # Every setting that changes what a recipe row measures names the row (its options), so a resumed run with
+    # another value trains rows of its own instead of taking the default run's for its own.
     from scripts.benchmarks import conversion_tasks as bench
     from scripts.benchmarks import harness
 
@@ -368,7 +370,10 @@ def test_a_row_stopped_under_other_stopping_settings_is_not_taken_for_this_runs(
     bench.run_accuracy(default)
     assert planned == []
     for extra, options in ((("--recipe-patience", "6"), "patience=6"), (("--recipe-max-steps", "1800"),
-                                                                        "max_steps=1800")):
+                                                                        "max_steps=1800"),
+                           (("--recipe-heldout", "800"), "heldout=800"), (("--low-rank", "16"), "low_rank=16"),
+                           (("--eta", "0.05"), "eta=0.05"), (("--recipe-progressive", "--progressive-steps", "100"),
+                                                             "progressive progressive_steps=100")):
         planned.clear()
         args = args_of(*extra)
         assert bench.recipe_options(args) == options

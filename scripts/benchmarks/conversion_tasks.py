@@ -54,6 +54,9 @@ from pathlib import Path
 from . import harness, minilm
 from .conversion_tasks_jobs import (
     CORPUS,
+    PRIMAL_SETTINGS,
+    PROGRESSIVE_STEPS,
+    QUICK_PROGRESSIVE_STEPS,
     QUICK_STOP_SETTINGS,
     RANK_MULTI,
     STOP_SETTINGS,
@@ -94,7 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--recipe-progressive", action="store_true",
                    help="convert the K layers one at a time in the measured order (--progressive-steps of "
                         "distillation after each but the last), then the recipe (rows with options `progressive`)")
-    p.add_argument("--progressive-steps", type=int, default=50, help="distillation steps after each stage")
+    p.add_argument("--progressive-steps", type=int, default=PROGRESSIVE_STEPS,
+                   help="distillation steps after each stage (another value is an option)")
     p.add_argument("--warm-start", choices=("none", "transfer"), default="none",
                    help="transfer: attention transfer (convert(method='transfer')) on unlabeled text before the "
                         "recipe's distillation (rows with options `transfer=<steps>`)")
@@ -113,17 +117,19 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="steps between the stopping rule's evaluations (another value is an option)")
     p.add_argument("--recipe-patience", type=int, default=STOP_SETTINGS["recipe_patience"],
                    help="evaluations without a better agreement (another value is an option)")
-    p.add_argument("--recipe-heldout", type=int, default=400,
-                   help="unlabeled texts held out of distillation for the stopping rule")
+    p.add_argument("--recipe-heldout", type=int, default=STOP_SETTINGS["recipe_heldout"],
+                   help="unlabeled texts held out of distillation for the stopping rule (another value is an option)")
     p.add_argument("--unlabeled", type=int, default=6000, help="unlabeled texts for distillation")
     p.add_argument("--sensitivity-steps", type=int, default=40, help="distillation steps per layer when ranking")
     p.add_argument("--embed-steps", type=int, default=150, help="distillation steps of the frozen-embedding rows")
     p.add_argument("--knn-index", type=int, default=2000, help="training-article sentences in the k-NN index")
     p.add_argument("--max-length", type=int, default=64)
-    p.add_argument("--low-rank", type=int, default=30)
+    p.add_argument("--low-rank", type=int, default=PRIMAL_SETTINGS["low_rank"],
+                   help="s of the primal layers (another value is an option)")
     p.add_argument("--rank-multi", type=int, default=RANK_MULTI)
     p.add_argument("--sampling", default=None, help="the primal layers' sampling rule (default: the library's)")
-    p.add_argument("--eta", type=float, default=0.1)
+    p.add_argument("--eta", type=float, default=PRIMAL_SETTINGS["eta"],
+                   help="the KSVD loss weight (another value is an option)")
     p.add_argument("--workers", type=int, default=2, help="one-thread worker processes")
     p.add_argument("--timing-threads", type=int, default=2, help="threads of the timing phase (run alone)")
     p.add_argument("--only", choices=("accuracy", "timing", "report"), default=None)
@@ -139,8 +145,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.reviews_labels = 24
         args.recipe_steps, args.unlabeled, args.sensitivity_steps, args.embed_steps = 2, 64, 2, 2
         vars(args).update(QUICK_STOP_SETTINGS)
-        args.recipe_heldout = 16
-        args.progressive_steps, args.warm_start_steps = 2, 2
+        args.progressive_steps, args.warm_start_steps = QUICK_PROGRESSIVE_STEPS, 2
         args.knn_index, args.workers = 40, 1
     args.tasks = [t for t in args.tasks.split(",") if t]
     if not args.tasks or set(args.tasks) - set(CORPUS):

@@ -22,9 +22,12 @@ CORPUS = {"sentences": "bbc", "headlines": "bbc", "reviews": "reviews"}
 CLASSES = {"bbc": len(bbc_news.TOPICS), "reviews": len(movie_reviews.LABELS)}
 # The stopping rule's settings (full run, --quick): rows trained with others carry them in their options, so that a
 # resumed run never takes a row stopped under other settings for its own.
-STOP_SETTINGS = {"recipe_max_steps": 900, "recipe_eval_steps": 50, "recipe_patience": 3}
-QUICK_STOP_SETTINGS = {**STOP_SETTINGS, "recipe_max_steps": 6, "recipe_eval_steps": 2}
+STOP_SETTINGS = {"recipe_max_steps": 900, "recipe_eval_steps": 50, "recipe_patience": 3, "recipe_heldout": 400}
+QUICK_STOP_SETTINGS = {**STOP_SETTINGS, "recipe_max_steps": 6, "recipe_eval_steps": 2, "recipe_heldout": 16}
 RANK_MULTI = 10  # the benchmark's primal layers sample s * 10 tokens (another value is an option)
+# The primal layers' shape and KSVD weight, and the steps after each progressive stage: another value names the row.
+PRIMAL_SETTINGS = {"low_rank": 30, "eta": 0.1}
+PROGRESSIVE_STEPS, QUICK_PROGRESSIVE_STEPS = 50, 2
 
 
 def setup():
@@ -249,12 +252,18 @@ def recipe_variant(args) -> str:
 
 def recipe_options(args) -> str:
     """What a recipe row changes from the benchmark's recipe ("" for none): progressive conversion, an
-    attention-transfer warm start, the primal layers' sampling rule and slots, a hidden-state distillation target, the
-    recipe's learning rates, and the stopping rule's ceiling, evaluation interval and patience."""
+    attention-transfer warm start, the primal layers' sampling rule, slots, rank and KSVD weight, a hidden-state
+    distillation target, the recipe's learning rates, and the stopping rule's ceiling, evaluation interval, patience
+    and held-out texts."""
+    stage_steps = QUICK_PROGRESSIVE_STEPS if args.quick else PROGRESSIVE_STEPS
     parts = (["progressive"] if args.recipe_progressive else []) + (
+        [f"progressive_steps={args.progressive_steps}"]
+        if args.recipe_progressive and args.progressive_steps != stage_steps else []) + (
         [f"transfer={args.warm_start_steps}"] if args.warm_start == "transfer" else [])
     parts += [f"sampling={args.sampling}"] if args.sampling else []
     parts += [f"rank_multi={args.rank_multi}"] if args.rank_multi != RANK_MULTI else []
+    parts += [f"{name}={getattr(args, name):g}" for name, value in PRIMAL_SETTINGS.items()
+              if getattr(args, name) != value]
     parts += [f"distill={args.recipe_distill_target}"] if args.recipe_distill_target != "logits" else []
     parts += [f"lr={args.recipe_learning_rate:g}"] if args.recipe_learning_rate else []
     parts += [f"primal_lr={args.recipe_primal_learning_rate:g}"] if args.recipe_primal_learning_rate else []
