@@ -297,7 +297,7 @@ def test_the_recipes_learning_rates_reach_the_optimizer(tmp_path):
 def test_the_stopping_rule_keeps_the_best_held_out_step_of_the_distilled_target(tmp_path, monkeypatch, target):
     # Logit distillation stops on held-out agreement with the teacher (higher is better); hidden-state distillation
     # has no prediction to agree on and stops on the held-out distillation loss (lower is better). The step kept is
-    # checked against the evaluations the trainer logged.
+    # checked against the evaluations the trainer logged; the distillation weight reaches the trainer.
     import copy
 
     from transformers import BertConfig, BertForSequenceClassification
@@ -324,12 +324,14 @@ def test_the_stopping_rule_keeps_the_best_held_out_step_of_the_distilled_target(
     rows = [(f"text number {i} about {'films' if i % 2 else 'sport'}", i % 2) for i in range(16)]
     texts = [f"another text, number {i}, on {'music' if i % 3 else 'travel'}" for i in range(24)]
     args = bench.parse_args(["--batch-size", "4", "--max-length", "16", "--recipe-stop", "agreement",
-                             "--recipe-eval-steps", "1", "--recipe-patience", "50", "--recipe-distill-target", target])
+                             "--recipe-eval-steps", "1", "--recipe-patience", "50", "--recipe-distill-target", target,
+                             "--recipe-distill-weight", "3"])
     assert ("distill=hidden" in bench.recipe_options(args)) == (target == "hidden")
+    assert "distill_weight=3" in bench.recipe_options(args)
     train_model(student, tokenizer, rows, args, 0, str(tmp_path), teacher=teacher, unlabeled=texts[8:], steps=6,
                 heldout=texts[:8], learning_rate=1e-3)
     (trainer,) = trainers
-    assert trainer.distill_target == target
+    assert trainer.distill_target == target and trainer.distill_weight == 3.0
     metric = "teacher_agreement" if target == "logits" else "distill_loss"
     evals = [(log["step"], log[f"eval_{metric}"]) for log in trainer.state.log_history if f"eval_{metric}" in log]
     assert len(evals) == 6

@@ -54,6 +54,7 @@ from pathlib import Path
 from . import harness, minilm
 from .conversion_tasks_jobs import (
     CORPUS,
+    DISTILL_WEIGHT,
     PRIMAL_SETTINGS,
     PROGRESSIVE_STEPS,
     QUICK_PROGRESSIVE_STEPS,
@@ -107,6 +108,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="what the recipe distils: the teacher's logits, or its final hidden states (every token and "
                         "the mean-pooled one; the stopping rule then follows the held-out distillation loss; rows "
                         "with options `distill=hidden`)")
+    p.add_argument("--recipe-distill-weight", type=float, default=DISTILL_WEIGHT,
+                   help="weight of the distillation term beside the task loss (another value is an option, rows "
+                        "`distill_weight=`)")
     p.add_argument("--recipe-learning-rate", type=float, default=None,
                    help="the recipe's learning rate (default: --learning-rate; another value is a recipe option)")
     p.add_argument("--recipe-primal-learning-rate", type=float, default=None,

@@ -28,6 +28,7 @@ RANK_MULTI = 10  # the benchmark's primal layers sample s * 10 tokens (another v
 # The primal layers' shape and KSVD weight, and the steps after each progressive stage: another value names the row.
 PRIMAL_SETTINGS = {"low_rank": 30, "eta": 0.1}
 PROGRESSIVE_STEPS, QUICK_PROGRESSIVE_STEPS = 50, 2
+DISTILL_WEIGHT = 1.0  # the recipe's distillation term beside the task loss (PrimalTrainer's default)
 
 
 def setup():
@@ -121,6 +122,7 @@ def train_model(model, tokenizer, train_rows, args, seed, workdir, *, teacher=No
         kwargs["primal_learning_rate"] = primal_learning_rate
     if teacher is not None:
         kwargs.update(teacher=teacher, distill_target=args.recipe_distill_target,
+                      distill_weight=args.recipe_distill_weight,
                       distill_dataset=tokenised(tokenizer, unlabeled, args.max_length, labels=False))
     if heldout is not None:
         kwargs.update(eval_dataset=tokenised(tokenizer, heldout, args.max_length, labels=False),
@@ -253,8 +255,8 @@ def recipe_variant(args) -> str:
 def recipe_options(args) -> str:
     """What a recipe row changes from the benchmark's recipe ("" for none): progressive conversion, an
     attention-transfer warm start, the primal layers' sampling rule, slots, rank and KSVD weight, a hidden-state
-    distillation target, the recipe's learning rates, and the stopping rule's ceiling, evaluation interval, patience
-    and held-out texts."""
+    distillation target or another distillation weight, the recipe's learning rates, and the stopping rule's
+    ceiling, evaluation interval, patience and held-out texts."""
     stage_steps = QUICK_PROGRESSIVE_STEPS if args.quick else PROGRESSIVE_STEPS
     parts = (["progressive"] if args.recipe_progressive else []) + (
         [f"progressive_steps={args.progressive_steps}"]
@@ -265,6 +267,7 @@ def recipe_options(args) -> str:
     parts += [f"{name}={getattr(args, name):g}" for name, value in PRIMAL_SETTINGS.items()
               if getattr(args, name) != value]
     parts += [f"distill={args.recipe_distill_target}"] if args.recipe_distill_target != "logits" else []
+    parts += [f"distill_weight={args.recipe_distill_weight:g}"] if args.recipe_distill_weight != DISTILL_WEIGHT else []
     parts += [f"lr={args.recipe_learning_rate:g}"] if args.recipe_learning_rate else []
     parts += [f"primal_lr={args.recipe_primal_learning_rate:g}"] if args.recipe_primal_learning_rate else []
     if args.recipe_stop == "agreement":
