@@ -297,7 +297,8 @@ def test_the_recipes_learning_rates_reach_the_optimizer(tmp_path):
 def test_the_stopping_rule_keeps_the_best_held_out_step_of_the_distilled_target(tmp_path, monkeypatch, target):
     # Logit distillation stops on held-out agreement with the teacher (higher is better); hidden-state distillation
     # has no prediction to agree on and stops on the held-out distillation loss (lower is better). The step kept is
-    # checked against the evaluations the trainer logged; the distillation weight reaches the trainer.
+    # checked against the evaluations the trainer logged; the distillation weight and the perturbed copies of the
+    # unlabeled text reach the trainer.
     import copy
 
     from transformers import BertConfig, BertForSequenceClassification
@@ -325,13 +326,15 @@ def test_the_stopping_rule_keeps_the_best_held_out_step_of_the_distilled_target(
     texts = [f"another text, number {i}, on {'music' if i % 3 else 'travel'}" for i in range(24)]
     args = bench.parse_args(["--batch-size", "4", "--max-length", "16", "--recipe-stop", "agreement",
                              "--recipe-eval-steps", "1", "--recipe-patience", "50", "--recipe-distill-target", target,
-                             "--recipe-distill-weight", "3"])
+                             "--recipe-distill-weight", "3", "--recipe-augment", "2"])
     assert ("distill=hidden" in bench.recipe_options(args)) == (target == "hidden")
-    assert "distill_weight=3" in bench.recipe_options(args)
+    assert {"distill_weight=3", "augment=2"} <= set(bench.recipe_options(args).split())
     train_model(student, tokenizer, rows, args, 0, str(tmp_path), teacher=teacher, unlabeled=texts[8:], steps=6,
                 heldout=texts[:8], learning_rate=1e-3)
     (trainer,) = trainers
     assert trainer.distill_target == target and trainer.distill_weight == 3.0
+    # The 16 distillation texts and two perturbed copies of each.
+    assert len(trainer.distill_dataset) == 3 * 16
     metric = "teacher_agreement" if target == "logits" else "distill_loss"
     evals = [(log["step"], log[f"eval_{metric}"]) for log in trainer.state.log_history if f"eval_{metric}" in log]
     assert len(evals) == 6
@@ -339,6 +342,26 @@ def test_the_stopping_rule_keeps_the_best_held_out_step_of_the_distilled_target(
     record = student.primal_conversion_report["training"]
     assert record["metric"] == metric and record["best_value"] == pytest.approx(best)
     assert record["best_step"] == next(step for step, value in evals if value == best)
+
+
+def test_perturbed_copies_drop_words_and_keep_the_originals_first():
+    from scripts.benchmarks.conversion_tasks_jobs import augmented
+
+    texts = [f"word{i} " + " ".join(f"w{i}_{j}" for j in range(30)) for i in range(40)] + ["single"]
+    out = augmented(texts, 2, seed=0)
+    assert out[:41] == texts and len(out) == 3 * 41
+    assert augmented(texts, 2, seed=0) == out and augmented(texts, 2, seed=1) != out
+    dropped = []
+    for k, copy_ in enumerate(out[41:]):
+        original = texts[k % 41].split()
+        words = copy_.split()
+        # An ordered subsequence of the original's words, never empty.
+        it = iter(original)
+        assert words and all(w in it for w in words)
+        dropped.append(1 - len(words) / len(original))
+    # About one word in ten dropped (31 words per text, 80 texts), and the two copies of a text differ.
+    assert 0.07 < sum(dropped[:40] + dropped[41:81]) / 80 < 0.13
+    assert sum(out[41 + i] != out[82 + i] for i in range(40)) > 30
 
 
 def test_a_row_trained_under_other_settings_is_not_taken_for_this_runs(tmp_path, monkeypatch):

@@ -111,6 +111,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--recipe-distill-weight", type=float, default=DISTILL_WEIGHT,
                    help="weight of the distillation term beside the task loss (another value is an option, rows "
                         "`distill_weight=`)")
+    p.add_argument("--recipe-augment", type=int, default=0,
+                   help="distil also on this many perturbed copies of each unlabeled text (each word dropped with "
+                        "probability 0.1; rows `augment=`)")
     p.add_argument("--recipe-learning-rate", type=float, default=None,
                    help="the recipe's learning rate (default: --learning-rate; another value is a recipe option)")
     p.add_argument("--recipe-primal-learning-rate", type=float, default=None,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import random
 import tempfile
 import time
 from pathlib import Path
@@ -92,6 +93,20 @@ def evaluate(model, tokenizer, rows, max_length) -> dict:
             "macro_f1": float(f1_score(truth, predicted, average="macro"))}
 
 
+def augmented(texts: list[str], copies: int, seed: int, drop: float = 0.1) -> list[str]:
+    """`texts`, then `copies` perturbed versions of each, every word of a copy dropped with probability `drop` (a copy
+    keeps at least one word). More distinct inputs for the teacher to label when the unlabeled pool is small: the
+    student sees each original more rarely before the pool repeats."""
+    rng = random.Random(seed)
+    out = list(texts)
+    for _ in range(copies):
+        for text in texts:
+            words = text.split()
+            kept = [w for w in words if rng.random() >= drop]
+            out.append(" ".join(kept or words[:1]))
+    return out
+
+
 def train_model(model, tokenizer, train_rows, args, seed, workdir, *, teacher=None, unlabeled=None, steps=None,
                 heldout=None, learning_rate=None, primal_learning_rate=None):
     """Fine-tune `model` (plain `Trainer`, or `PrimalTrainer` once it has primal layers); with a teacher, distil
@@ -123,7 +138,8 @@ def train_model(model, tokenizer, train_rows, args, seed, workdir, *, teacher=No
     if teacher is not None:
         kwargs.update(teacher=teacher, distill_target=args.recipe_distill_target,
                       distill_weight=args.recipe_distill_weight,
-                      distill_dataset=tokenised(tokenizer, unlabeled, args.max_length, labels=False))
+                      distill_dataset=tokenised(tokenizer, augmented(unlabeled, args.recipe_augment, seed),
+                                                args.max_length, labels=False))
     if heldout is not None:
         kwargs.update(eval_dataset=tokenised(tokenizer, heldout, args.max_length, labels=False),
                       callbacks=[EarlyStoppingCallback(early_stopping_patience=args.recipe_patience)])
@@ -255,8 +271,8 @@ def recipe_variant(args) -> str:
 def recipe_options(args) -> str:
     """What a recipe row changes from the benchmark's recipe ("" for none): progressive conversion, an
     attention-transfer warm start, the primal layers' sampling rule, slots, rank and KSVD weight, a hidden-state
-    distillation target or another distillation weight, the recipe's learning rates, and the stopping rule's
-    ceiling, evaluation interval, patience and held-out texts."""
+    distillation target or another distillation weight, perturbed copies of the unlabeled text, the recipe's learning
+    rates, and the stopping rule's ceiling, evaluation interval, patience and held-out texts."""
     stage_steps = QUICK_PROGRESSIVE_STEPS if args.quick else PROGRESSIVE_STEPS
     parts = (["progressive"] if args.recipe_progressive else []) + (
         [f"progressive_steps={args.progressive_steps}"]
@@ -268,6 +284,7 @@ def recipe_options(args) -> str:
               if getattr(args, name) != value]
     parts += [f"distill={args.recipe_distill_target}"] if args.recipe_distill_target != "logits" else []
     parts += [f"distill_weight={args.recipe_distill_weight:g}"] if args.recipe_distill_weight != DISTILL_WEIGHT else []
+    parts += [f"augment={args.recipe_augment}"] if args.recipe_augment else []
     parts += [f"lr={args.recipe_learning_rate:g}"] if args.recipe_learning_rate else []
     parts += [f"primal_lr={args.recipe_primal_learning_rate:g}"] if args.recipe_primal_learning_rate else []
     if args.recipe_stop == "agreement":
