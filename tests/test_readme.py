@@ -185,7 +185,7 @@ def selection_vs_last_rows(rows) -> list[str]:
 # The recipe options docs/conversion.md's every-layer table compares on each task, and the one it names for every
 # layer primal (chosen on validation, sentences seed 0).
 EVERY_LAYER_CANDIDATES = ("progressive primal_lr=0.001", "progressive primal_lr=0.001 patience=6")
-EVERY_LAYER_OPTIONS = EVERY_LAYER_CANDIDATES[0]
+EVERY_LAYER_OPTIONS = EVERY_LAYER_CANDIDATES[1]
 
 
 def every_layer_rows(rows) -> list[str]:
