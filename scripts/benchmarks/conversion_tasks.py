@@ -164,12 +164,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-# ---------------------------------------------------------------------------------------------- shared pieces
-
-
-# ---------------------------------------------------------------------------------------------- jobs
-
-
 # ---------------------------------------------------------------------------------------------- scheduling
 def accuracy_jobs(args) -> tuple[list, list]:
     """(first phase, second phase): teachers, plain and the ranking; then recipes and embedding rows."""

@@ -90,9 +90,6 @@ GPT2_SMALL = Shape(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positi
 TINY = Shape(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=128)
 
 
-# ----------------------------------------------------------------------------------------- memory probes
-
-
 # ----------------------------------------------------------------------------------------- one measurement
 
 

@@ -93,12 +93,6 @@ def quick_settings(args: argparse.Namespace) -> Settings:
     )
 
 
-# ------------------------------------------------------------------------------------------ sub-layer pieces
-
-
-# ------------------------------------------------------------------------------------------ measuring
-
-
 # ------------------------------------------------------------------------------------------ analysis
 def fit_exponent(points: list[tuple[int, float]]) -> float:
     """Least-squares slope of log(time) against log(N)."""

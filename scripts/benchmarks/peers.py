@@ -79,12 +79,6 @@ def options(args: argparse.Namespace) -> Options:
                    args.short_batch, short, args.minilm_sentences, 32, False, args.device, args.dtype)
 
 
-# ------------------------------------------------------------------------------------------ the sub-layers
-
-
-# ------------------------------------------------------------------------------------------ workers
-
-
 # ------------------------------------------------------------------------------------------ analysis and output
 def _find(rows: list[dict], **match) -> Optional[dict]:
     return harness.lookup(rows, **match)
