@@ -290,13 +290,13 @@ def headline_rows(results) -> list[str]:
                       ("reviews", "movie-review sentiment, 3,000 labels")):
         stock = _by(summary, task=task, variant="stock")[0]
         plain = _by(summary, task=task, variant="plain")[0]
+        options = every_layer_choice(runs, task)
+        copies = re.search(r"augment=(\d+)", options)
         for k in (1, 3, 6):  # every layer: the one selection there is, and the options chosen for it if measured
             recipe = _by(summary, task=task, variant="recipe", selection="auto" if k < 6 else "last", k=k)
             how = "the recipe"
-            options = every_layer_choice(runs, task)
             chosen = _by(every_row, task=task, variant="recipe-stop", options=options, k=k)
             if k == 6 and chosen:
-                copies = re.search(r"augment=(\d+)", options)
                 recipe, how = chosen, "progressive conversion" + (
                     f" with {copies[1]} word-dropout copies of the unlabeled text" if copies else "")
             if recipe:
