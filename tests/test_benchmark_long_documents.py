@@ -164,6 +164,19 @@ def test_timing_ratios_and_attention_own_memory_from_known_figures():
     }
 
 
+def test_probability_memory_estimate_matches_the_measured_peaks_and_skips_per_variant():
+    # The measured reference: attention's own peak of eager and sdpa-dropout at N = 2048 in the committed timing run.
+    rows = list(csv.DictReader(open(ROOT / "scripts/benchmarks/results" / bench.TIMING_CSV, newline="")))
+    own = {r["variant"]: float(r["attention_peak_mib"]) for r in rows if r["n"] == "2048" and r["attention_peak_mib"]}
+    args = argparse.Namespace(batch_size=32, eager_limit_gib=20.0)
+    for variant in ("eager", "sdpa-dropout"):
+        assert task.eager_estimate_gib(2048, args, variant) * 1024 == pytest.approx(own[variant], rel=0.05)
+    # Quadratic in N: at 4096 eager fits a 20 GiB limit and sdpa-dropout does not.
+    assert [task.eager_estimate_gib(4096, args, v) for v in ("eager", "sdpa-dropout")] == [16, 28]
+    assert task.eager_job(argparse.Namespace(**vars(args), device="cpu", dtype="fp32", threads=1), "sdpa-dropout",
+                          4096, 0)["status"] == "skipped: needs ~28 GiB > --eager-limit-gib 20"
+
+
 def test_jobs_cover_every_variant_seed_and_length_once():
     args = argparse.Namespace(lengths=[2048, 4096], seeds=[0, 1, 2], long_seeds=[0])
     jobs = bench.jobs(args)
