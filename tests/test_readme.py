@@ -377,6 +377,15 @@ def long_documents_headline(rows, summary) -> list[str]:
         figures = ", ".join(f"{name} {100 * float(by[v]['accuracy_mean']):.1f}%" for v, name in four.items())
         out.append(f"| topic of a BBC News article from its first 2048 bytes, trained from scratch "
                    f"({float(epochs):g} epochs; {seeds}) | {figures} | `long_documents_summary.csv` |")
+        # The same budget at 4096, once softmax and both primal variants have it.
+        three = {v: name for v, name in four.items() if v != "no-attention"}
+        longer = {r["variant"]: r for r in _by(summary, n=4096, epochs=epochs) if r["variant"] in three}
+        if len(longer) == len(three):
+            seeds = {r["seeds"] for r in longer.values()}
+            figures = ", ".join(f"{name} {100 * float(longer[v]['accuracy_mean']):.1f}%" for v, name in three.items())
+            out.append(f"| the same from its first 4096 bytes ({float(epochs):g} epochs; "
+                       f"{'/'.join(sorted(seeds))} seed{'' if seeds == {'1'} else 's'}) | {figures} "
+                       f"| `long_documents_summary.csv` |")
     return out
 
 
