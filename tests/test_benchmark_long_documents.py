@@ -3,6 +3,7 @@ against hand-computed answers, and a --quick run checked against an independent 
 
 import argparse
 import csv
+import platform
 import statistics
 import subprocess
 import sys
@@ -318,8 +319,15 @@ def test_quick_run_summary_and_timing_ratios_from_the_raw_rows(quick_run):
         assert float(row["speedup_vs_sdpa"]) == pytest.approx(float(sdpa["step_ms"]) / float(row["step_ms"]), 1e-2)
         assert float(row["step_ms_min"]) <= float(row["step_ms"]) and int(row["reps"]) == 3
         assert float(row["peak_mib"]) > 0
+        assert row["cpu"] == _cpu_model()  # the speed ratios between kernels depend on the CPU
     assert (out / bench.PNG).stat().st_size > 10_000
     assert read(bench.TARGETS_CSV)
+
+
+def _cpu_model():
+    lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    names = [line.partition(":")[2].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else platform.processor() or platform.machine()
 
 
 def test_without_attention_no_byte_sees_another():

@@ -13,7 +13,7 @@
   the next); `run_jobs` runs training jobs in fresh one-job spawned workers (or here, with one worker) and yields
   each result as it finishes, with a progress bar.
 * **Tables**: `read_rows` / `write_rows` (CSV, one row per run, written after every run so a rerun resumes),
-  `lookup`, `fmt`, `machine_line` (what the figures were measured on, load average included).
+  `lookup`, `fmt`, `machine_line` (what the figures were measured on, load average included), `cpu_name`.
 """
 
 from __future__ import annotations
@@ -334,14 +334,17 @@ def load_average() -> str:
     return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-def machine_line(device: str, dtype: str, threads: int) -> str:
-    """What the figures were measured on, with the load average (more than `threads` means competition)."""
-    cpu = platform.processor() or platform.machine()
+def cpu_name() -> str:
+    """The CPU's model name (Linux), else what `platform` knows: speed ratios between kernels differ between CPUs."""
     try:
         with open("/proc/cpuinfo") as handle:
-            cpu = next(line.split(":", 1)[1].strip() for line in handle if line.startswith("model name"))
+            return next(line.split(":", 1)[1].strip() for line in handle if line.startswith("model name"))
     except (OSError, StopIteration):
-        pass
+        return platform.processor() or platform.machine()
+
+
+def machine_line(device: str, dtype: str, threads: int) -> str:
+    """What the figures were measured on, with the load average (more than `threads` means competition)."""
     # The device by name only: asking CUDA for its GPU's name would initialise it in the parent before it forks.
-    return (f"torch {torch.__version__}, {device} {dtype}, {threads} threads, {os.cpu_count()} CPUs ({cpu}), "
+    return (f"torch {torch.__version__}, {device} {dtype}, {threads} threads, {os.cpu_count()} CPUs ({cpu_name()}), "
             f"load average {load_average()}")

@@ -38,7 +38,7 @@ def timing_job(args: argparse.Namespace, n: int) -> list[dict[str, Any]]:
     load = round(os.getloadavg()[0], 2)
     rows = [{"n": n, "variant": v, "batch": args.batch_size, "step_ms": round(median, 2), "step_ms_min": round(low, 2),
              "reps": reps, "load1": load, "device": args.device, "dtype": args.dtype, "threads": args.threads,
-             "status": "ok"} for v, (median, low, reps) in times.items()]
+             "cpu": harness.cpu_name(), "status": "ok"} for v, (median, low, reps) in times.items()]
     rows += [{"n": n, "variant": v, "status": f"skipped: needs ~{eager_estimate_gib(n, args, v):.0f} GiB"}
              for v in skipped]
     return rows
