@@ -39,7 +39,9 @@ Outputs in ``--out-dir``: ``long_documents.csv`` (per run; a rerun resumes from 
 by, with the verdict), ``long_documents.png`` (test accuracy against training time) and
 ``long_documents_timing.csv`` (the timing phase: median training-step time of every variant at each N, measured
 round-robin in one process on the same batch of real documents, ratios to ``sdpa`` from the same run, and the peak
-memory of one training step above the pre-model baseline, in a fresh process per variant). On 2 CPU cores one
+memory of one training step above the pre-model baseline, in a fresh process per variant; each row names its CPU,
+since the speed ratios differ between CPUs; eager and sdpa-dropout are skipped where their (B, H, N, N) buffers would
+pass ``--eager-limit-gib``: 20 lets eager run at N = 4096, about 17 GiB). On 2 CPU cores one
 ``sdpa`` training step at N = 2048 (batch 32) takes seconds, so the full accuracy table is a job for a GPU
 (``scripts/benchmarks/run_gpu.sh``); the timing phase takes minutes anywhere.
 
