@@ -167,7 +167,8 @@ def test_timing_ratios_and_attention_own_memory_from_known_figures():
 
 def test_probability_memory_estimate_matches_the_measured_peaks_and_skips_per_variant():
     # The measured reference: attention's own peak of eager and sdpa-dropout at N = 2048 in the committed timing run.
-    rows = list(csv.DictReader(open(ROOT / "scripts/benchmarks/results" / bench.TIMING_CSV, newline="")))
+    with open(ROOT / "scripts/benchmarks/results" / bench.TIMING_CSV, newline="") as handle:
+        rows = list(csv.DictReader(handle))
     own = {r["variant"]: float(r["attention_peak_mib"]) for r in rows if r["n"] == "2048" and r["attention_peak_mib"]}
     args = argparse.Namespace(batch_size=32, eager_limit_gib=20.0)
     for variant in ("eager", "sdpa-dropout"):

@@ -35,10 +35,10 @@ def timing_job(args: argparse.Namespace, n: int) -> list[dict[str, Any]]:
     skipped = [v for v in ("eager", "sdpa-dropout") if eager_estimate_gib(n, args, v) > args.eager_limit_gib]
     times = harness.time_round_robin({v: training_step(args, v, n, batch) for v in TIMED if v not in skipped},
                                      args.timing_steps, 1e9)
-    load = round(os.getloadavg()[0], 2)
+    load, cpu = round(os.getloadavg()[0], 2), harness.cpu_name()
     rows = [{"n": n, "variant": v, "batch": args.batch_size, "step_ms": round(median, 2), "step_ms_min": round(low, 2),
              "reps": reps, "load1": load, "device": args.device, "dtype": args.dtype, "threads": args.threads,
-             "cpu": harness.cpu_name(), "status": "ok"} for v, (median, low, reps) in times.items()]
+             "cpu": cpu, "status": "ok"} for v, (median, low, reps) in times.items()]
     rows += [{"n": n, "variant": v, "status": f"skipped: needs ~{eager_estimate_gib(n, args, v):.0f} GiB"}
              for v in skipped]
     return rows

@@ -243,9 +243,9 @@ def eager_job(args: argparse.Namespace, variant: str, n: int, seed: int) -> dict
     """Time `--eager-steps` training steps of eager attention (same math as sdpa, so not trained)."""
     row = {"n": n, "variant": variant, "seed": seed, "batch": args.batch_size, "device": args.device,
            "dtype": args.dtype, "threads": args.threads, "settings": "the same math as sdpa; timed, not trained"}
-    if eager_estimate_gib(n, args, variant) > args.eager_limit_gib:
-        return {**row, "status": f"skipped: needs ~{eager_estimate_gib(n, args, variant):.0f} GiB > --eager-limit-gib "
-                                 f"{args.eager_limit_gib:g}"}
+    need = eager_estimate_gib(n, args, variant)
+    if need > args.eager_limit_gib:
+        return {**row, "status": f"skipped: needs ~{need:.0f} GiB > --eager-limit-gib {args.eager_limit_gib:g}"}
     setup(args)
     train = load_data(args, n)["train"]
     with harness.peak_memory(args.device) as memory:
