@@ -67,18 +67,32 @@ def test_a_dropped_parameter_is_named(entry, monkeypatch):
     namespace: dict = {}
     exec(f"def {name}(self, {', '.join(kept + ['other'])}): pass", namespace)
     replacement = namespace[name]
-    if isinstance(inspect.getattr_static(owner, name), classmethod):
-        replacement = classmethod(replacement)
-    monkeypatch.setattr(owner, name, replacement)
+    if entry.keys:  # a mapping: each listed entry's value must accept the parameters
+        monkeypatch.setitem(getattr(owner, name), entry.keys[-1], replacement)
+    else:
+        if isinstance(inspect.getattr_static(owner, name), classmethod):
+            replacement = classmethod(replacement)
+        monkeypatch.setattr(owner, name, replacement)
     with pytest.raises(compat.IncompatibleTransformersError, match=re.escape(f"['{dropped}']")):
+        compat.check_transformers()
+
+
+@pytest.mark.parametrize("entry", [e for e in compat.INTERNALS if e.keys], ids=lambda e: e.path.split(".")[-1])
+def test_a_missing_mapping_entry_is_named(entry, monkeypatch):
+    mapping = compat._resolve(entry.path)
+    monkeypatch.delitem(mapping, entry.keys[0])
+    with pytest.raises(compat.IncompatibleTransformersError, match=re.escape(f"['{entry.keys[0]}']")):
         compat.check_transformers()
 
 
 def test_every_patched_internal_is_replaced_by_hf_primal():
     for path in compat.patched_internals():
         current = compat._resolve(path)
-        func = getattr(current, "__func__", current)
-        assert func.__module__.startswith("hf_primal."), path
+        keys = next(e.keys for e in compat.INTERNALS if e.path == path)
+        for func in [current[key] for key in keys] if keys else [getattr(current, "__func__", current)]:
+            assert func.__module__.startswith("hf_primal."), path
+    with pytest.raises(KeyError, match="not listed as a patched entry"):
+        compat.patch_entry("transformers.masking_utils.AttentionMaskInterface._global_mapping", "flex_attention", None)
 
 
 def _hf_primal_attributes() -> set[str]:
@@ -97,6 +111,10 @@ def _hf_primal_attributes() -> set[str]:
                 defined_in = getattr(func, "__module__", None) or ""
                 if defined_in.startswith("hf_primal") or "primal" in name.lower():
                     found.add(f"{owner_name}.{name}")
+                if type(value) is dict:  # registries such as the mask functions per attention implementation
+                    found.update(f"{owner_name}.{name}[{key}]" for key, item in list(value.items())
+                                 if isinstance(key, str) and (getattr(item, "__module__", None) or "").startswith(
+                                     "hf_primal"))
     return found
 
 
@@ -107,6 +125,7 @@ def test_nothing_is_patched_that_is_not_listed():
     listed = {e.path for e in compat.INTERNALS if e.patched or e.added}
     names = {path.rpartition(".")[2]: path for path in listed}
     for path in compat.applied():  # each one a listed internal, or a module's own reference to a listed function
+        path = path.partition("[")[0]  # an entry of a listed mapping
         assert path in listed or names.get(path.rpartition(".")[2], "").count(".") > 1, path
     with pytest.raises(KeyError, match="not listed"):
         compat.patch("transformers.modeling_utils.PreTrainedModel.from_pretrained", None)

@@ -37,6 +37,8 @@ class Internal:
     params: tuple[str, ...] = ()  # parameter names the callable must accept
     patched: bool = False  # hf_primal replaces it (patching.install_hooks)
     added: bool = False  # hf_primal adds it: transformers must not have it
+    keys: tuple[str, ...] = ()  # a mapping: the entries that must exist (and that `patch_entry` may replace);
+    # `params` then applies to each entry's value
 
     @property
     def private(self) -> bool:
@@ -65,10 +67,18 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("transformers.generation.utils.GenerationMixin._prepare_cache_for_generation",
              "put constant-size primal layers into generate()'s cache", ("generation_config", "model_kwargs"),
              patched=True),
+    Internal("transformers.masking_utils.AttentionMaskInterface._global_mapping",
+             "give a model whose every attention layer is primal the 2D padding mask, not a (batch, 1, N, N) one",
+             ("q_length", "kv_length", "q_offset", "kv_offset", "mask_function", "attention_mask"), patched=True,
+             keys=("sdpa", "eager")),
     Internal("transformers.conversion_mapping.get_model_conversion_mapping",
              "drop weight-renaming rules for the value projections primal layers no longer have", ("model",),
              patched=True),
     # Relied on.
+    Internal("transformers.masking_utils.bidirectional_mask_function",
+             "recognise a plain bidirectional mask request (masks.padding_only)"),
+    Internal("transformers.masking_utils.causal_mask_function", "recognise a plain causal mask request "
+             "(masks.padding_only)"),
     Internal("transformers.conversion_mapping.get_checkpoint_conversion_mapping",
              "give shareable Primal* classes the renaming rules of their stock class"),
     Internal("transformers.conversion_mapping.register_checkpoint_conversion_mapping",
@@ -199,6 +209,16 @@ def patch(path: str, replacement: Any, where_imported: bool = False) -> None:
                 _set(module_name, name, replacement)
 
 
+def patch_entry(path: str, key: str, replacement: Any) -> None:
+    """Replace entry `key` of a listed mapping marked ``patched`` whose `keys` name it."""
+    entry = _entry(path)
+    if not entry.patched or key not in entry.keys:
+        raise KeyError(f"{path}[{key!r}] is not listed as a patched entry in hf_primal.integration.compat.INTERNALS")
+    _resolve(entry.path)[key] = replacement
+    if f"{entry.path}[{key}]" not in _APPLIED:
+        _APPLIED.append(f"{entry.path}[{key}]")
+
+
 def add(path: str, value: Any) -> None:
     """Give a transformers class a listed attribute marked ``added``."""
     entry = _entry(path)
@@ -242,8 +262,15 @@ def check_transformers(internals: tuple[Internal, ...] = INTERNALS) -> None:
             obj = _resolve(entry.path)
         except (ImportError, AttributeError):
             raise _problem(entry, "has no") from None
-        if entry.params:
-            func = obj.__func__ if inspect.ismethod(obj) else obj
+        if entry.keys:
+            absent = [key for key in entry.keys if key not in obj]
+            if absent:
+                raise _problem(entry, f"has no entries {absent} in")
+            values = [obj[key] for key in entry.keys]
+        else:
+            values = [obj]
+        for value in values if entry.params else ():
+            func = value.__func__ if inspect.ismethod(value) else value
             try:
                 accepted = inspect.signature(func).parameters
             except (TypeError, ValueError):

@@ -16,7 +16,9 @@ Hooks, installed once, each a no-op for models whose config does not ask for pri
   read such a folder without transformers' model-type warning: with the hooks installed that load is exact; and it
   refuses a primal folder whose config.json lost its ``primal_attention`` entry (`folder_check`);
 * ``conversion_mapping.get_model_conversion_mapping`` (and the modules that imported it by name) leaves out the
-  checkpoint renaming rules for value projections a primal model no longer has (`drop_value_renamings`).
+  checkpoint renaming rules for value projections a primal model no longer has (`drop_value_renamings`);
+* transformers' ``sdpa`` and ``eager`` mask functions give a model whose every attention layer is primal the 2D
+  padding mask instead of a (batch, 1, N, N) one (`masks.padding_only`).
 
 Nothing global changes behaviour: a model without ``config.primal_attention`` runs stock code.
 """
@@ -30,6 +32,7 @@ from ..modeling.shareable import PrimalModelMixin
 from ..models import drop_value_renamings, find_architecture
 from . import compat
 from .hub import save_shareable
+from .masks import padding_only
 
 _INSTALLED = False
 
@@ -64,7 +67,17 @@ def install_hooks() -> None:
     _install_saving_hooks()
     _install_config_hooks()
     _install_model_hooks()
+    _install_mask_hooks()
     _INSTALLED = True
+
+
+_MASKS = "transformers.masking_utils.AttentionMaskInterface._global_mapping"
+
+
+def _install_mask_hooks() -> None:
+    mapping = compat.original(_MASKS)
+    for implementation in ("sdpa", "eager"):
+        compat.patch_entry(_MASKS, implementation, padding_only(mapping[implementation]))
 
 
 def _install_config_hooks() -> None:

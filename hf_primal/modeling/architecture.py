@@ -81,6 +81,12 @@ def never_causal(config: Any) -> bool:
     return False
 
 
+def cross_attention_when_added(config: Any) -> bool:
+    """Softmax cross-attention beside the converted self-attention, as transformers adds it to BERT / GPT-2 decoders
+    (``config.add_cross_attention``; the `Architecture` default)."""
+    return bool(getattr(config, "add_cross_attention", False))
+
+
 def causal_when_decoder(config: Any) -> bool:
     """BERT-like models: causal when built as a decoder (``config.is_decoder``)."""
     return bool(config.is_decoder)
@@ -91,7 +97,8 @@ class Architecture(Layout):
     """Everything hf_primal needs to know about one transformers architecture: its `Layout` and the fields below.
 
     Built by `shareable.define_architecture`, which also defines the classes it names; only `max_tokens`, `causal`,
-    `lora_fan_in_fan_out` and `causal_lm_heads` have defaults, so an architecture module states just where it differs.
+    `lora_fan_in_fan_out`, `causal_lm_heads` and `cross_attention` have defaults, so an architecture module states
+    just where it differs.
 
     Attributes:
         name: transformers' ``model_type`` ("bert"); the shareable form is saved as ``"primal_<name>"``.
@@ -108,6 +115,8 @@ class Architecture(Layout):
         causal_lm_heads: names of the architecture's causal-LM head classes whose name transformers' loss table
             does not recognise (``GPT2LMHeadModel``), so their ``loss_type`` stays None although their loss is the
             causal-LM loss; `PrimalTrainer` declares it for them.
+        cross_attention: config -> whether the model also has softmax attention that hf_primal never converts
+            (cross-attention); by default ``config.add_cross_attention``.
     """
 
     name: str
@@ -120,12 +129,34 @@ class Architecture(Layout):
     causal: Callable[[Any], bool] = never_causal
     lora_fan_in_fan_out: bool = False
     causal_lm_heads: tuple = ()
+    cross_attention: Callable[[Any], bool] = cross_attention_when_added
 
     def __post_init__(self) -> None:
         # The shareable classes convert in their own post_init (also as remote code, without the registry), and the
         # primal attention forward reads its q/k/out names here, so each class knows its architecture.
         for cls in (self.primal_class, *self.shareable_models.values()):
             cls._primal_architecture = self
+
+    def attends_only_through_primal(self, config: Any) -> bool:
+        """Whether every attention module of a model built from `config` runs Primal-Attention: its
+        ``primal_attention`` selects all ``config.num_hidden_layers`` layers and the model has no cross-attention.
+
+        Such a model reads nothing from an attention mask but which tokens are real, so it can be given the (batch,
+        keys) padding mask instead of a (batch, 1, queries, keys) one (hf_primal/integration/masks.py).
+        """
+        spec = getattr(config, "primal_attention", None)
+        count = getattr(config, "num_hidden_layers", None)
+        if spec is None or not isinstance(count, int) or self.cross_attention(config):
+            return False
+        # Read the stored selection as it is (a plain dict once hf_primal normalised the config): this runs at every
+        # forward, also under torch.compile, which cannot trace building a PrimalAttentionConfig.
+        layers = spec.get("layers") if isinstance(spec, dict) else getattr(spec, "layers", None)
+        if layers == "all":
+            return True
+        if not isinstance(layers, (list, tuple)):
+            return False
+        return {index % count for index in layers if isinstance(index, int) and -count <= index < count} == set(
+            range(count))
 
     def list_blocks(self, base: nn.Module) -> list[nn.Module]:
         """The transformer blocks of the base model (BertLayer, ViTLayer, GPT2Block, ...), in order."""

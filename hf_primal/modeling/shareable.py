@@ -158,7 +158,8 @@ def define_architecture(namespace: dict, base_class: type, attention_class: type
             with no code of its own for two-linear q/k projections, or a forward of its own (GPT-2's fused
             ``c_attn``).
         **record: the `Architecture` fields that have defaults (``max_tokens``, ``causal``,
-            ``lora_fan_in_fan_out``), where the architecture differs from them.
+            ``lora_fan_in_fan_out``, ``causal_lm_heads``, ``cross_attention``), where the architecture
+            differs from them.
     """
     if not (isinstance(primal_class, type) and issubclass(primal_class, attention_class)):
         raise TypeError(f"define_architecture: primal_class {primal_class!r} must subclass {attention_class.__name__}")

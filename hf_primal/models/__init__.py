@@ -42,6 +42,13 @@ def find_architecture(model: nn.Module) -> Architecture:
     )
 
 
+def architecture_for_config(config: Any) -> Architecture | None:
+    """The registered architecture of models built from `config` (by ``model_type``; a saved primal folder's
+    ``primal_<name>`` included), or None."""
+    model_type = getattr(config, "model_type", None) or ""
+    return BY_NAME.get(model_type.removeprefix("primal_"))
+
+
 def apply_primal_attention(model: nn.Module, primal_config: Any = None) -> list[str]:
     """Make the layers selected by ``model.config.primal_attention`` (or `primal_config`) primal, in place.
 
