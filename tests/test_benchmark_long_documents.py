@@ -71,6 +71,37 @@ def test_a_document_scores_the_same_whatever_its_padding(variant):
     torch.testing.assert_close(logits[2], logits[0], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("variant", [network.NO_ATTENTION, "performer", "sdpa", "primal"])
+def test_only_encoders_that_read_the_mask_build_one(variant, monkeypatch):
+    # The floor and the peers ignore the encoder's attention mask; building one would charge them softmax's mask.
+    from transformers import masking_utils
+
+    args = _args()
+    torch.manual_seed(0)
+    model = network.DocumentClassifier(variant, 64, args).eval()
+    ids, mask, _ = task.encode([(b"Short text, then padding.", 0), (bytes(range(40, 104)), 1)], 64)
+    built = []
+
+    def recording(function):
+        def build(*a, **k):
+            out = function(*a, **k)
+            built.append(None if out is None else tuple(out.shape))
+            return out
+        return build
+
+    for name in ("sdpa", "eager"):
+        mapping = masking_utils.AttentionMaskInterface._global_mapping
+        monkeypatch.setitem(mapping, name, recording(mapping[name]))
+    with torch.no_grad():
+        logits = model(ids, mask)
+        hidden = model.encoder(input_ids=ids, attention_mask=mask).last_hidden_state  # the reference: with the mask
+    expected = {"sdpa": (2, 1, 64, 64), "primal": (2, 64)}.get(variant)  # softmax's 4D mask; primal's padding mask
+    assert built[0] == expected and built[1] is not None
+    weights = mask.unsqueeze(-1).float()
+    reference = model.head((hidden * weights).sum(1) / weights.sum(1))
+    torch.testing.assert_close(logits, reference, rtol=0, atol=1e-6)
+
+
 def test_primal_variants_carry_the_paper_settings():
     args = _args()
     cfg_all = network.DocumentClassifier("primal", 64, args).encoder.config.primal_attention

@@ -97,6 +97,9 @@ class DocumentClassifier(torch.nn.Module):
         elif variant == NO_ATTENTION:
             for layer in self.encoder.encoder.layer:
                 layer.attention = IdentityAttention()
+        # Identity blocks and the peers (which take `mask` directly) read no attention mask: given none, the encoder
+        # builds none, so the floor and the peers do not pay for softmax's (batch, 1, N, N) mask.
+        self.encoder_reads_mask = variant not in PEERS and variant != NO_ATTENTION
         self.head = torch.nn.Linear(config.hidden_size, len(bbc_news.TOPICS))
         self.eta = PRIMAL[variant]["eta"] if variant in PRIMAL else 0.0
         if variant in PRIMAL and not hf_primal.primal_layers(self.encoder):
@@ -105,7 +108,7 @@ class DocumentClassifier(torch.nn.Module):
     def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         for peer in self.peers:
             peer.padding = mask
-        hidden = self.encoder(input_ids=ids, attention_mask=mask).last_hidden_state
+        hidden = self.encoder(input_ids=ids, attention_mask=mask if self.encoder_reads_mask else None).last_hidden_state
         weights = mask.unsqueeze(-1).to(hidden.dtype)
         return self.head((hidden * weights).sum(1) / weights.sum(1).clamp(min=1))
 
