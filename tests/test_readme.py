@@ -391,12 +391,12 @@ def long_documents_headline(rows, summary) -> list[str]:
 
 
 def long_documents_speed_ranges(history) -> list[str]:
-    """docs/benchmarks.md's ranges of primal's speed-up over fused SDPA per CPU and N, from
+    """docs/benchmarks.md's ranges of primal's speed-up over fused SDPA per CPU, code version and N, from
     long_documents_timing_history.csv (every run of the timing phase)."""
     out = []
-    for cpu in dict.fromkeys(r["cpu"] for r in history):
+    for cpu, code in dict.fromkeys((r["cpu"], r["code"]) for r in history):
         for n in ("2048", "4096"):
-            ratios = [float(r["primal_speedup_vs_sdpa"]) for r in _by(history, cpu=cpu, n=n)]
+            ratios = [float(r["primal_speedup_vs_sdpa"]) for r in _by(history, cpu=cpu, code=code, n=n)]
             if len(ratios) > 1:
                 out.append(f"{min(ratios):.2f}-{max(ratios):.2f}x")
     return out
