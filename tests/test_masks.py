@@ -112,10 +112,14 @@ def test_packed_sequences_keep_transformers_mask(stock_masks):
     seen = record_masks(model)
     with torch.no_grad():
         out = model(input_ids=ids, position_ids=positions).logits
-    assert seen == [(1, 1, 9, 9)] * 2  # transformers' packed mask, which a padding mask cannot express
+    hooked = list(seen)
+    seen.clear()
     stock_masks()
     with torch.no_grad():
         torch.testing.assert_close(out, model(input_ids=ids, position_ids=positions).logits, rtol=0, atol=0)
+    # Whatever transformers builds for packed rows, which a padding mask cannot express: (1, 1, 9, 9) where it builds
+    # packed masks for encoders (5.24 on), None before (the primal layers then split the rows by position_ids).
+    assert hooked == seen and seen[0] in (None, (1, 1, 9, 9))
 
 
 def test_generation_uses_the_padding_mask_for_the_prompt_only(stock_masks):
