@@ -4,11 +4,11 @@ transformers builds one mask per forward for the configured attention implementa
 that is a (batch, 1, queries, keys) tensor, N^2 booleans (or floats) per sequence. A primal layer reads only which
 keys are real from it (`layers.valid_tokens`), so where no softmax layer is left to use the rest, building it is
 pure cost: at N = 4096 and batch 32 it is a 512 MiB tensor, about as much as all primal layers' own activations,
-and one of the largest operations of a primal training step. `padding_only` wraps transformers' ``sdpa`` and ``eager`` mask
-functions (installed by `patching.install_hooks`) and, for such models only, returns what transformers gives
-flash attention instead: the 2D padding mask, or None when no token is padding. Every other request (a model
-with a softmax layer left, a cache that already holds tokens, packed sequences, extra mask patterns) goes to
-transformers' own function unchanged; `valid_tokens` reads both forms to the same answer.
+and one of the largest operations of a primal training step. `padding_only` wraps transformers' ``sdpa`` and
+``eager`` mask functions (installed by `patching.install_hooks`) and, for such models only, returns what
+transformers gives flash attention instead: the 2D padding mask, or None when no token is padding. Every other
+request (a model with a softmax layer left, a cache that already holds tokens, packed sequences, extra mask
+patterns) goes to transformers' own function unchanged; `valid_tokens` reads both forms to the same answer.
 """
 
 from __future__ import annotations
