@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 from torch import nn
 
-from .config import PrimalAttentionConfig
+from .config import PrimalAttentionConfig, resolve_layer_indices
 from .kep_svgp import KEPSVGPCore
 from .primal import PrimalCore
 from .sampling import num_sampled_tokens
@@ -151,12 +151,12 @@ class Architecture(Layout):
         # Read the stored selection as it is (a plain dict once hf_primal normalised the config): this runs at every
         # forward, also under torch.compile, which cannot trace building a PrimalAttentionConfig.
         layers = spec.get("layers") if isinstance(spec, dict) else getattr(spec, "layers", None)
-        if layers == "all":
-            return True
-        if not isinstance(layers, (list, tuple)):
+        if layers != "all" and not isinstance(layers, (list, tuple)):
             return False
-        return {index % count for index in layers if isinstance(index, int) and -count <= index < count} == set(
-            range(count))
+        try:
+            return len(resolve_layer_indices(layers, count)) == count
+        except (ValueError, TypeError):  # a selection the model refused when it was built: never guess here
+            return False
 
     def list_blocks(self, base: nn.Module) -> list[nn.Module]:
         """The transformer blocks of the base model (BertLayer, ViTLayer, GPT2Block, ...), in order."""

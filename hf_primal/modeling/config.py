@@ -61,6 +61,27 @@ def parse_layers(text: str) -> LayersSpec:
         raise ValueError(f"layers {text!r} is not allowed: use {LAYERS_SYNTAX} (no empty entries).") from None
 
 
+def resolve_layer_indices(layers: Any, num_layers: int) -> list[int]:
+    """A ``layers`` selection ("all" or indices, negative from the end) as sorted indices into ``range(num_layers)``;
+    raises ValueError when an index does not exist or names a layer twice. Plain Python on the stored value, so
+    torch.compile traces it (`Architecture.attends_only_through_primal` calls it at every forward)."""
+    if layers == "all":
+        return list(range(num_layers))
+    resolved = []
+    for index in layers:
+        if not -num_layers <= index < num_layers:
+            raise ValueError(
+                f"PrimalAttentionConfig.layers={layers!r}: index {index} is out of range for a model with "
+                f"{num_layers} attention layers (allowed: {-num_layers} .. {num_layers - 1})."
+            )
+        resolved.append(index % num_layers)
+    if len(set(resolved)) != len(resolved):
+        raise ValueError(
+            f"PrimalAttentionConfig.layers={layers!r} names the same layer twice once negative indices are "
+            f"resolved against {num_layers} layers ({resolved})."
+        )
+    return sorted(resolved)
+
 @dataclass
 class PrimalAttentionConfig:
     """Which attention layers run Primal-Attention, and with what hyper-parameters.
@@ -160,22 +181,7 @@ class PrimalAttentionConfig:
 
     def resolve_layers(self, num_layers: int) -> list[int]:
         """Map `layers` onto ``range(num_layers)``; raises ValueError when an index does not exist."""
-        if self.layers == "all":
-            return list(range(num_layers))
-        resolved = []
-        for index in self.layers:
-            if not -num_layers <= index < num_layers:
-                raise ValueError(
-                    f"PrimalAttentionConfig.layers={self.layers!r}: index {index} is out of range for a model with "
-                    f"{num_layers} attention layers (allowed: {-num_layers} .. {num_layers - 1})."
-                )
-            resolved.append(index % num_layers)
-        if len(set(resolved)) != len(resolved):
-            raise ValueError(
-                f"PrimalAttentionConfig.layers={self.layers!r} names the same layer twice once negative indices are "
-                f"resolved against {num_layers} layers ({resolved})."
-            )
-        return sorted(resolved)
+        return resolve_layer_indices(self.layers, num_layers)
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict[str, Any]:
