@@ -23,6 +23,11 @@ KSVD_REDUCTIONS = ("sequence", "batch")  # how the KSVD loss is reduced (docs/me
 # field was written before "even" existed and keeps the rule it was trained with.
 SAMPLING_RULES = ("even", "legacy", "segment_mean", "jitter")
 SAMPLING_WHEN_NOT_SAVED = "legacy"
+# How a causal layer weighs the tokens before it (docs/method.md, "Causal layer"): per-head decayed sums, or the
+# paper's prefix mean (every earlier token the same weight). A stored primal_attention without the field was written
+# before "decay" existed and keeps the prefix mean it was trained with.
+CAUSAL_MIXING = ("decay", "prefix_mean")
+CAUSAL_MIXING_WHEN_NOT_SAVED = "prefix_mean"
 # What a selected layer computes: Primal-Attention, or KEP-SVGP attention (a Gaussian-process head on the same KSVD
 # scores, docs/method.md "KEP-SVGP"), with its two readings of the covariance parameters.
 VARIANTS = ("primal", "kep_svgp")
@@ -105,6 +110,12 @@ class PrimalAttentionConfig:
             ``"even"``. ``"legacy"``: the rule of hf_primal 0.1 (for L < p the last valid token gets one slot, the
             others about p/L). The three rules agree with ``"even"`` on inputs shorter than p. Configs saved without
             the field (hf_primal 0.1) load with ``"legacy"``; see `saved_config_dict`. Causal layers sample nothing.
+        causal_mixing: how a causal (decoder) layer weighs the tokens before it (docs/method.md, "Causal layer").
+            ``"decay"`` (the default): head h keeps sums of q and k in which a token's weight shrinks by gamma_h at
+            every later valid token, gamma_h = 1 - 2^-b_h with b_h evenly spaced from 1 to 10 over the heads (windows
+            of about 2 to 1,024 tokens), so some heads read the last few tokens and others the whole context.
+            ``"prefix_mean"``: the paper's rule, the plain mean of every earlier q and k. Both keep a generation state
+            of constant size. Configs saved without the field load with ``"prefix_mean"``. Encoders ignore it.
         crop_window: ``W``, how many of the latest tokens a causal layer's generation cache can take back
             (``cache.crop``, used by assisted and prompt-lookup decoding). While a cache records its past (transformers
             calls ``activate_past_recording`` for those modes) each causal primal layer keeps the running state after
@@ -124,6 +135,7 @@ class PrimalAttentionConfig:
     ksvd_reduction: str = "sequence"
     crop_window: int = DEFAULT_CROP_WINDOW
     sampling: str = "segment_mean"
+    causal_mixing: str = "decay"
     variant: str = "primal"
     eta_kl: float = 1.0
     covariance: str = "consistent"
@@ -172,7 +184,7 @@ class PrimalAttentionConfig:
             raise ValueError(
                 f"PrimalAttentionConfig.sampling={self.sampling!r} is not allowed: use one of {list(SAMPLING_RULES)}."
             )
-        for name, allowed in (("variant", VARIANTS), ("covariance", COVARIANCES)):
+        for name, allowed in (("causal_mixing", CAUSAL_MIXING), ("variant", VARIANTS), ("covariance", COVARIANCES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(
                     f"PrimalAttentionConfig.{name}={getattr(self, name)!r} is not allowed: use one of {list(allowed)}."
@@ -188,8 +200,9 @@ class PrimalAttentionConfig:
         """The plain-JSON form stored under ``"primal_attention"`` in ``config.json``.
 
         ``crop_window`` is written only when it differs from its default, so that checkpoints which do not change
-        it keep the fields that earlier hf_primal versions (and remote code copied with them) read. ``sampling`` is
-        always written: its absence marks a config saved before the field existed (`saved_config_dict`). The
+        it keep the fields that earlier hf_primal versions (and remote code copied with them) read. ``sampling`` and
+        ``causal_mixing`` are always written: the absence of either marks a config saved before it existed
+        (`saved_config_dict`). The
         KEP-SVGP fields are written only for ``variant="kep_svgp"``, so primal folders keep the fields earlier
         versions read.
         """
@@ -235,14 +248,19 @@ class PrimalAttentionConfig:
 
 
 def saved_config_dict(config_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """A model's config.json dict as read from disk, with the sampling rule its primal layers were saved with.
+    """A model's config.json dict as read from disk, with the sampling and causal mixing rules its primal layers were
+    saved with.
 
     A ``primal_attention`` entry without ``sampling`` was written by hf_primal 0.1, whose only rule is ``"legacy"``;
-    it gets that rule explicitly, so that the checkpoint keeps computing what it was trained to compute. (Dicts a
-    user writes, e.g. ``from_pretrained(path, primal_attention={...})``, do not pass through here and get the
-    current default.)
+    one without ``causal_mixing`` was written before ``"decay"`` existed, when causal layers took the prefix mean.
+    Each missing rule is filled in explicitly, so that the checkpoint keeps computing what it was trained to compute.
+    (Dicts a user writes, e.g. ``from_pretrained(path, primal_attention={...})``, do not pass through here and get
+    the current defaults.)
     """
     spec = config_dict.get("primal_attention")
-    if isinstance(spec, Mapping) and "sampling" not in spec:
-        return {**config_dict, "primal_attention": {**spec, "sampling": SAMPLING_WHEN_NOT_SAVED}}
+    if isinstance(spec, Mapping):
+        saved = {"sampling": SAMPLING_WHEN_NOT_SAVED, "causal_mixing": CAUSAL_MIXING_WHEN_NOT_SAVED}
+        missing = {name: rule for name, rule in saved.items() if name not in spec}
+        if missing:
+            return {**config_dict, "primal_attention": {**spec, **missing}}
     return dict(config_dict)

@@ -25,6 +25,7 @@ def decode_step(
     w_r: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor,
+    log_decay: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """y (B, H, 1, d) of one new token and the running (sum_q, sum_k, count) after it, without autograd ops that
     matter and without KSVD terms.
@@ -33,6 +34,8 @@ def decode_step(
         q, k: (B, H, 1, d) projections of the new token; valid: (B, 1) bool or None.
         state: (sum_q, sum_k, count) before the token, (B, H, d), (B, H, d), (B,) (a `CausalState`).
         w_e, w_r: the layer's (H, d, s) weights; weight, bias: its head map.
+        log_decay: (H,) log gamma_h under ``causal_mixing="decay"`` (the sums age by gamma_h at a valid token), or
+            None (plain sums).
     """
     sum_q0, sum_k0, count0 = state
     wide = sum_q0.dtype
@@ -45,7 +48,12 @@ def decode_step(
         drop = ~keep[:, None, None]
         q1, k1 = q1.masked_fill(drop, 0.0), k1.masked_fill(drop, 0.0)
         count = count0 + keep.to(count0.dtype)
-    sum_q, sum_k = sum_q0 + q1, sum_k0 + k1
+    if log_decay is None:
+        sum_q, sum_k = sum_q0 + q1, sum_k0 + k1
+    else:
+        steps = torch.ones_like(count0) if keep is None else keep.to(count0.dtype)
+        left = torch.exp(steps[:, None].to(log_decay.dtype) * log_decay[None, :]).to(wide)[..., None]  # (B, H, 1)
+        sum_q, sum_k = sum_q0 * left + q1, sum_k0 * left + k1
     floor = (count.clamp(min=1.0) * NORM_EPS).to(wide)[:, None, None, None]  # (B, 1, 1, 1)
     scores = []
     for total, w in ((sum_q, w_e), (sum_k, w_r)):

@@ -2,6 +2,7 @@
 
 Packed rows hold several sequences (padding-free training): `segment_starts` / `_segmented_cumsum` restart the
 causal prefix sums at each segment, `_Packing` turns each segment of a non-causal batch into a sequence of its own.
+`causal_log_decay` / `decayed_cumsum` are the causal layer's decayed running sums (``causal_mixing="decay"``).
 `prefix_mean_features`, `sampled_gram` and `kernel_matrix` build, with plain autograd ops, the kernel matrix whose
 KSVD a layer computes (``output_attentions=True``, hf_primal.tools.analysis).
 """
@@ -10,12 +11,18 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from .sampling import _sample_tokens
 
 NORM_EPS = 1e-12
+# Head h of a layer with H heads forgets at the rate gamma_h = 1 - 2^-b_h, b_h evenly spaced from 1 to 10: windows
+# 1 / (1 - gamma) of 2 .. 1024 tokens (docs/method.md, "Causal layer").
+DECAY_EXPONENTS = (1.0, 10.0)
+_FASTEST_DECAY = -math.log1p(-(2.0 ** -DECAY_EXPONENTS[0]))  # -log gamma of the fastest-forgetting head
 
 
 def _accumulator_dtype(device: torch.device) -> torch.dtype:
@@ -48,6 +55,70 @@ def _segmented_cumsum(v: torch.Tensor, starts: torch.Tensor, dim: int) -> torch.
     shape[0], shape[dim] = starts.shape
     index = starts.view(shape).expand_as(total)
     return total - torch.gather(exclusive, dim, index)
+
+
+def causal_log_decay(num_heads: int, mixing: str, device: torch.device) -> Optional[torch.Tensor]:
+    """(H,) log gamma_h of each head of a causal layer (float64, or float32 on MPS), or None for ``"prefix_mean"``
+    (every token weighs the same: gamma = 1, computed as a plain prefix sum)."""
+    if mixing == "prefix_mean":
+        return None
+    if mixing != "decay":
+        raise ValueError(f"causal_mixing={mixing!r} is not allowed: use 'decay' or 'prefix_mean'.")
+    low, high = DECAY_EXPONENTS
+    exponents = [low] if num_heads == 1 else [low + (high - low) * h / (num_heads - 1) for h in range(num_heads)]
+    return torch.tensor([math.log1p(-(2.0 ** -b)) for b in exponents], dtype=_accumulator_dtype(device), device=device)
+
+
+def decayed_cumsum(
+    v: torch.Tensor, keep: torch.Tensor, log_decay: torch.Tensor, starts: Optional[torch.Tensor] = None,
+    fastest: float = _FASTEST_DECAY,
+) -> torch.Tensor:
+    """S_i = sum_{j <= i} gamma_h^(t_i - t_j) v_j per head, t_i the number of kept tokens up to i (so padding
+    neither adds to S nor ages it); restarting at each packed segment when `starts` (`segment_starts`) is given.
+
+    Args:
+        v: (B, H, L, d), zero at tokens that are not kept; keep: (B, L) 1 / 0; log_decay: (H,) log gamma_h <= 0.
+        fastest: a bound on -log gamma_h (a Python number, so the chunk length is known without reading a tensor,
+            which keeps torch.compile graphs whole).
+    Returns:
+        (B, H, L, d) in float64 (float32 on MPS), with autograd.
+
+    Computed as gamma^t_i * cumsum(gamma^-t_j v_j) within chunks short enough that gamma^-t cannot overflow, each
+    chunk continuing the last sum of the one before: O(L d) and exact to the accumulator's precision.
+    """
+    acc = _accumulator_dtype(v.device)
+    length = v.shape[2]
+    rates = log_decay.to(device=v.device, dtype=acc)
+    ages = keep.to(acc).cumsum(dim=1)[:, None, :] * rates[None, :, None]  # (B, H, L): t_i log gamma, non-increasing
+    budget = 0.25 * math.log(torch.finfo(acc).max)  # exp(budget) times |v| stays far from overflow
+    chunk = length if fastest <= 0.0 else max(1, int(budget / fastest))
+    values = v.to(acc)
+    pieces, carry, carry_age = [], None, None
+    for begin in range(0, length, chunk):
+        age = ages[:, :, begin:begin + chunk]
+        ref = age[:, :, :1]
+        part = (values[:, :, begin:begin + chunk] * torch.exp(ref - age)[..., None]).cumsum(dim=2)
+        part = part * torch.exp(age - ref)[..., None]
+        if carry is not None:
+            part = part + carry[:, :, None, :] * torch.exp(age - carry_age)[..., None]
+        pieces.append(part)
+        carry, carry_age = part[:, :, -1], age[:, :, -1:]
+    sums = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
+    if starts is None:
+        return sums
+    # S within a segment = S of the row - the row's S before the segment start, aged to i.
+    before = (starts - 1).clamp(min=0)[:, None, :].expand_as(ages)
+    earlier = torch.gather(sums, 2, before[..., None].expand_as(sums))
+    aged = torch.exp(ages - torch.gather(ages, 2, before))[..., None]
+    inside = (starts > 0)[:, None, :, None]
+    return sums - torch.where(inside, earlier * aged, torch.zeros((), dtype=acc, device=v.device))
+
+
+def decay_since_state(keep: torch.Tensor, log_decay: torch.Tensor) -> torch.Tensor:
+    """(B, H, L, 1) gamma_h^t_i, t_i the number of kept new tokens up to i: how much of a cached state's sums is left
+    after each of L new tokens."""
+    rates = log_decay.to(device=keep.device)
+    return torch.exp(keep.to(rates.dtype).cumsum(dim=1)[:, None, :] * rates[None, :, None])[..., None]
 
 
 class _Packing(NamedTuple):
@@ -119,6 +190,7 @@ def prefix_mean_features(
     state_sum: Optional[torch.Tensor] = None,
     state_count: Optional[torch.Tensor] = None,
     segments: Optional[torch.Tensor] = None,
+    log_decay: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Normalised masked prefix means of the causal layer (docs/method.md, "Causal layer"), with plain autograd ops.
 
@@ -127,6 +199,7 @@ def prefix_mean_features(
         valid: (B, L) bool or None; invalid tokens do not enter the means.
         state_sum, state_count: (B, H, d) and (B,) running sum and valid count before these tokens, or None.
         segments: (B, L) ids of sequences packed in one row (means restart at each new id), or None.
+        log_decay: (H,) `causal_log_decay`, or None for equal weights (the prefix mean).
     Returns:
         (B, H, L, d) in fp32 (or wider for a wider `v`); rows at invalid tokens are the means so far.
     """
@@ -135,17 +208,25 @@ def prefix_mean_features(
     v = v.to(dtype)
     keep = torch.ones(batch, length, dtype=dtype, device=v.device) if valid is None else valid.to(dtype)
     v = v * keep[:, None, :, None]
-    if segments is not None:
-        if state_sum is not None:
-            raise ValueError("packed segments start new sequences: they cannot continue a cached state")
-        starts = segment_starts(segments)
-        sums = _segmented_cumsum(v, starts, dim=2).to(dtype)
+    if segments is not None and state_sum is not None:
+        raise ValueError("packed segments start new sequences: they cannot continue a cached state")
+    starts = None if segments is None else segment_starts(segments)
+    if starts is not None:
         counts = _segmented_cumsum(keep, starts, dim=1).to(dtype)
     else:
-        sums = v.cumsum(dim=2)
         counts = keep.cumsum(dim=1)
+    if log_decay is not None:
+        sums = decayed_cumsum(v, keep, log_decay, starts)
+        if state_sum is not None:
+            sums = sums + state_sum[:, :, None, :].to(sums.dtype) * decay_since_state(keep, log_decay)
+        sums = sums.to(dtype)
+    elif starts is not None:
+        sums = _segmented_cumsum(v, starts, dim=2).to(dtype)
+    else:
+        sums = v.cumsum(dim=2)
     if state_sum is not None:
-        sums = sums + state_sum[:, :, None, :].to(dtype)
+        if log_decay is None:
+            sums = sums + state_sum[:, :, None, :].to(dtype)
         counts = counts + state_count[:, None].to(dtype)
     means = sums / counts.clamp(min=1.0)[:, None, :, None]
     return F.normalize(means, dim=-1, eps=NORM_EPS)

@@ -42,6 +42,9 @@ from .kernel import (
     NORM_EPS,
     _Packing,
     _segmented_cumsum,
+    causal_log_decay,
+    decay_since_state,
+    decayed_cumsum,
     kernel_matrix,
     prefix_mean_features,
     sampled_gram,
@@ -67,7 +70,8 @@ class KSVDTerms(NamedTuple):
 class CausalState(NamedTuple):
     """Running state of a causal primal layer: everything needed to continue a sequence.
 
-    sum_q, sum_k: (B, H, d) fp32 sums of q and k over the valid tokens seen so far.
+    sum_q, sum_k: (B, H, d) fp32 sums of q and k over the valid tokens seen so far (under ``causal_mixing="decay"``
+                  each token weighted by gamma_h^(its age in valid tokens)).
     count:        (B,) fp32 number of valid tokens seen so far.
     """
 
@@ -79,10 +83,11 @@ class CausalState(NamedTuple):
 
 def _prefix_sums(
     q: torch.Tensor, k: torch.Tensor, valid: Optional[torch.Tensor], state: Optional[CausalState],
-    segments: Optional[torch.Tensor],
+    segments: Optional[torch.Tensor], log_decay: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Running sums of q and k (B, H, L, d) and valid-token counts (B, L) after each new token, from `state`;
-    restarting at each packed segment. Sums are fp32 or wider: long prefixes lose precision in half precision."""
+    restarting at each packed segment; decayed per head when `log_decay` ((H,), `causal_log_decay`) is given. Sums
+    are fp32 or wider: long prefixes lose precision in half precision."""
     batch, _, length, _ = q.shape
     if valid is not None:
         drop = ~valid[:, None, :, None]
@@ -91,8 +96,20 @@ def _prefix_sums(
     else:
         counts = torch.ones(batch, length, device=q.device, dtype=torch.float32)
     wide = torch.promote_types(q.dtype, torch.float32)
-    if segments is not None:
-        starts = segment_starts(segments)
+    starts = None if segments is None else segment_starts(segments)
+    if log_decay is not None:
+        sum_q = decayed_cumsum(q, counts, log_decay, starts)
+        sum_k = decayed_cumsum(k, counts, log_decay, starts)
+        if state is not None:
+            left = decay_since_state(counts, log_decay)
+            sum_q = sum_q + state.sum_q[:, :, None, :].to(sum_q.dtype) * left
+            sum_k = sum_k + state.sum_k[:, :, None, :].to(sum_k.dtype) * left
+        sum_q, sum_k = sum_q.to(wide), sum_k.to(wide)
+        counts = counts.cumsum(dim=1) if starts is None else _segmented_cumsum(counts, starts, dim=1).float()
+        if state is not None:
+            counts = counts + state.count[:, None]
+        return sum_q, sum_k, counts
+    if starts is not None:
         sum_q = _segmented_cumsum(q, starts, dim=2).to(wide)
         sum_k = _segmented_cumsum(k, starts, dim=2).to(wide)
         counts = _segmented_cumsum(counts, starts, dim=1).float()
@@ -123,6 +140,8 @@ class PrimalCore(nn.Module):
 
     _is_primal_core = True
     sampling = "even"  # the sampling rule (`SAMPLING_RULES`); conversion sets PrimalAttentionConfig.sampling
+    # How a causal layer weighs earlier tokens (`CAUSAL_MIXING`); conversion sets PrimalAttentionConfig.causal_mixing.
+    causal_mixing = "prefix_mean"
 
     def __init__(self, num_heads: int, head_dim: int, low_rank: int, num_samples: int, causal: bool) -> None:
         super().__init__()
@@ -139,7 +158,7 @@ class PrimalCore(nn.Module):
         self.reset_parameters()
 
     def extra_repr(self) -> str:
-        kind = "causal" if self.causal else f"non-causal, p={self.num_samples}"
+        kind = f"causal, {self.causal_mixing}" if self.causal else f"non-causal, p={self.num_samples}"
         return f"heads={self.num_heads}, head_dim={self.head_dim}, low_rank={self.low_rank}, {kind}"
 
     @torch.no_grad()
@@ -206,8 +225,14 @@ class PrimalCore(nn.Module):
     ) -> tuple[torch.Tensor, CausalState]:
         """`causal_forward` for one new token continuing `state`, without autograd and without KSVD terms
         (hf_primal/modeling/decode.py)."""
-        y, new_state = decode_step(q, k, valid, state, self.We, self.Wr, self.head_map.weight, self.head_map.bias)
+        y, new_state = decode_step(
+            q, k, valid, state, self.We, self.Wr, self.head_map.weight, self.head_map.bias, self.log_decay(q.device)
+        )
         return y, CausalState(*new_state)
+
+    def log_decay(self, device: torch.device) -> Optional[torch.Tensor]:
+        """(H,) log gamma_h of this causal layer's heads, or None for the prefix mean (`causal_log_decay`)."""
+        return causal_log_decay(self.num_heads, self.causal_mixing, device)
 
     def forward(
         self,
@@ -298,7 +323,7 @@ class PrimalCore(nn.Module):
         if decoding and length == 1 and history == 0:
             y, new_state = self._decode_step(q, k, valid, state)
             return y, None, new_state
-        sum_q, sum_k, counts = _prefix_sums(q, k, valid, state, segments)
+        sum_q, sum_k, counts = _prefix_sums(q, k, valid, state, segments, self.log_decay(q.device))
         # Clones, so that a cache holding the state does not pin the whole (B, H, L, d) prefix sums.
         if history > 0:
             n = min(length, int(history))
@@ -329,7 +354,8 @@ class PrimalCore(nn.Module):
         """Causal layers: the normalised prefix-mean keys k_hat of L new tokens, (B, H, L, d), zero at invalid
         tokens: what a cache keeps to give later steps the columns of earlier tokens."""
         k_hat = prefix_mean_features(
-            k, valid, None if state is None else state.sum_k, None if state is None else state.count
+            k, valid, None if state is None else state.sum_k, None if state is None else state.count,
+            log_decay=self.log_decay(k.device),
         )
         return k_hat if valid is None else k_hat * valid[:, None, :, None].to(k_hat.dtype)
 
@@ -356,11 +382,14 @@ class PrimalCore(nn.Module):
                     "the attention matrix of a causal primal layer continuing a cached state needs the earlier "
                     "tokens' normalised keys, which the cache keeps only once attentions were requested"
                 )
+            log_decay = self.log_decay(q.device)
             q_hat = prefix_mean_features(
-                q, valid, None if state is None else state.sum_q, None if state is None else state.count, segments
+                q, valid, None if state is None else state.sum_q, None if state is None else state.count, segments,
+                log_decay,
             )
             k_hat = prefix_mean_features(
-                k, valid, None if state is None else state.sum_k, None if state is None else state.count, segments
+                k, valid, None if state is None else state.sum_k, None if state is None else state.count, segments,
+                log_decay,
             )
             if valid is not None:
                 k_hat = k_hat * valid[:, None, :, None].to(k_hat.dtype)

@@ -109,12 +109,14 @@ def _primal_curves(
     batch, heads, tokens, dim = q.shape
     layer_valid = captured["valid"] if captured["valid"] is not None else valid[:, -tokens:]
     if core.causal:
-        state = captured["state"]
+        state, log_decay = captured["state"], core.log_decay(q.device)
         q_hat = prefix_mean_features(
-            q, layer_valid, None if state is None else state.sum_q, None if state is None else state.count
+            q, layer_valid, None if state is None else state.sum_q, None if state is None else state.count,
+            log_decay=log_decay,
         )
         k_hat = prefix_mean_features(
-            k, layer_valid, None if state is None else state.sum_k, None if state is None else state.count
+            k, layer_valid, None if state is None else state.sum_k, None if state is None else state.count,
+            log_decay=log_decay,
         )
         kind, cores = PRIMAL_CAUSAL, None
     else:
