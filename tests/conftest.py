@@ -110,6 +110,7 @@ def child_env(**extra: str) -> dict:
 SLOW = {
     "test_benchmark_conversion.py",
     "test_benchmark_conversion_tasks.py",
+    "test_benchmark_causal_lm.py::test_quick_run_has_every_row_a_constant_primal_state_and_does_not_rerun",
     "test_benchmark_long_documents.py::test_quick_run_has_every_job_and_a_reproducible_row",
     "test_benchmark_long_documents.py::test_quick_run_summary_and_timing_ratios_from_the_raw_rows",
     "test_benchmark_peers.py",

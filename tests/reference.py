@@ -78,8 +78,11 @@ def reference_noncausal(x, q, k, valid, We, Wr, head_map_w, head_map_b, rule="ev
 
 
 @torch.no_grad()
-def reference_causal(q, k, valid, We, Wr, head_map_w, head_map_b):
-    """q/k (B,H,N,d), valid (B,N), We/Wr (H,d,s) -> y (B,H,N,d), e, r."""
+def reference_causal(q, k, valid, We, Wr, head_map_w, head_map_b, gammas=None):
+    """q/k (B,H,N,d), valid (B,N), We/Wr (H,d,s) -> y (B,H,N,d), e, r.
+
+    gammas: None (each earlier valid token weighs the same: the prefix mean) or H per-head decays, under which token
+    j weighs gamma_h ** (number of valid tokens after j up to n) in the feature of token n."""
     B, H, N, d = q.shape
     s = We.shape[2]
     y = torch.zeros(B, H, N, d, dtype=torch.float64)
@@ -91,8 +94,9 @@ def reference_causal(q, k, valid, We, Wr, head_map_w, head_map_b):
                 if not bool(valid[b, n]):
                     continue
                 seen = [j for j in range(n + 1) if bool(valid[b, j])]
-                q_mean = torch.stack([q[b, h, j].double() for j in seen]).mean(0)
-                k_mean = torch.stack([k[b, h, j].double() for j in seen]).mean(0)
+                weights = [1.0 if gammas is None else float(gammas[h]) ** sum(1 for i in seen if i > j) for j in seen]
+                q_mean = sum(w * q[b, h, j].double() for w, j in zip(weights, seen)) / sum(weights)
+                k_mean = sum(w * k[b, h, j].double() for w, j in zip(weights, seen)) / sum(weights)
                 e = _normalize(q_mean) @ We[h].double()
                 r = _normalize(k_mean) @ Wr[h].double()
                 e_all[b, h, n], r_all[b, h, n] = e, r

@@ -110,8 +110,9 @@ def test_primal_layer_matches_dense_svd_of_the_implied_kernel(kernel):
     assert torch.allclose(spectra[2].curves[:, dim - 1 :], torch.ones(8, 12 - dim + 1, dtype=torch.float64))
 
 
-def test_causal_primal_layer_uses_normalised_prefix_means():
-    model = GPT2Model(gpt2_config(primal_attention={"layers": [-1], "low_rank": 4})).eval()
+@pytest.mark.parametrize("mixing", ["prefix_mean", "decay"])
+def test_causal_primal_layer_uses_normalised_prefix_means(mixing):
+    model = GPT2Model(gpt2_config(primal_attention={"layers": [-1], "low_rank": 4, "causal_mixing": mixing})).eval()
     ids = torch.randint(1, 120, (1, 10))
     attn = model.h[1].attn
     store, handle = _capture_input(attn)
@@ -122,8 +123,13 @@ def test_causal_primal_layer_uses_normalised_prefix_means():
     assert [s.kind for s in spectra] == ["softmax", "primal-causal"]
     qk = store["x"].double() @ attn.c_attn.weight.double() + attn.c_attn.bias.double()
     q, k = qk[0, :, :32].view(10, 4, 8), qk[0, :, 32:64].view(10, 4, 8)
-    steps = torch.arange(1, 11, dtype=torch.float64)[:, None, None]
-    q_hat, k_hat = F.normalize(q.cumsum(0) / steps, dim=-1), F.normalize(k.cumsum(0) / steps, dim=-1)
+    # Token j's weight in position i's mean: 1 (prefix mean), or gamma_h^(i - j) with docs/method.md's gamma_h.
+    gammas = torch.tensor([1 - 2.0 ** -(1 + 9 * h / 3) for h in range(4)], dtype=torch.float64)
+    age = (torch.arange(10)[:, None] - torch.arange(10)[None, :]).clamp(min=0).double()
+    causal = torch.tril(torch.ones(10, 10, dtype=torch.float64))
+    weights = causal[None].expand(4, 10, 10) if mixing == "prefix_mean" else causal * gammas[:, None, None] ** age
+    q_hat = F.normalize(torch.einsum("hij,jhd->ihd", weights, q), dim=-1)
+    k_hat = F.normalize(torch.einsum("hij,jhd->ihd", weights, k), dim=-1)
     expected = torch.stack([cumulative_spectrum(q_hat[:, h] @ k_hat[:, h].T) for h in range(4)])
     assert (spectra[1].curves - expected).abs().max() < 1e-6
 

@@ -3,6 +3,7 @@
     python -m scripts.benchmarks.layers            # training-step time and memory vs SDPA / eager
     python -m scripts.benchmarks.peers             # against Performer, Nystromformer, Linformer; short inputs
     python -m scripts.benchmarks.generation        # GPT-2 decoding: latency and cache size
+    python -m scripts.benchmarks.causal_lm         # GPT-2 language models trained from scratch on real text
     python -m scripts.benchmarks.long_documents    # long real documents trained from scratch (and its study:
     python -m scripts.benchmarks.long_documents_study)
     python -m scripts.benchmarks.conversion        # converting all-MiniLM-L6-v2, plenty of labels
