@@ -187,3 +187,12 @@ def reference_kep_kl(theta, m_u, tril, log_diag):
             for j in range(s):
                 total += 0.5 * w * float(m_u[h, a, j]) ** 2
     return total - float(log_diag.double().sum()) - 2 * s * float(theta.double().sum()) - 0.5 * s * s * H
+
+
+def reference_gammas(heads, mixing="decay"):
+    """Per-head decays of docs/method.md, "Causal layer": gamma_h = 1 - 2^-b_h, b_h evenly spaced from 1 to 10 over
+    the heads (1 for one head) under "decay"; None (the prefix mean) under "prefix_mean"."""
+    if mixing == "prefix_mean":
+        return None
+    exponents = [1.0] if heads == 1 else [1 + 9 * h / (heads - 1) for h in range(heads)]
+    return [1 - 2.0 ** -b for b in exponents]

@@ -23,7 +23,7 @@ from hf_primal.modeling.cache import PrimalCacheLayer
 from hf_primal.models import ARCHITECTURES, BY_NAME, find_architecture
 from tests.architectures import CASES, inputs, pad_id
 from tests.conftest import cache_kw, capture_layer_io, child_env
-from tests.reference import reference_causal, reference_noncausal
+from tests.reference import reference_causal, reference_gammas, reference_noncausal
 
 NAMES = [a.name for a in ARCHITECTURES]
 TEXT = [n for n in NAMES if not CASES[n].image]
@@ -83,7 +83,7 @@ def test_layer_matches_the_reference(name, decoder):
     core = attn.primal
     weights = (core.We, core.Wr, core.head_map.weight, core.head_map.bias)
     if causal:
-        y, _, _ = reference_causal(q, k, valid, *weights)
+        y, _, _ = reference_causal(q, k, valid, *weights, gammas=reference_gammas(q.shape[1]))  # the default rule
     else:
         y, _, _ = reference_noncausal(x, q, k, valid, *weights, rule=rule)
     expected = y.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1)

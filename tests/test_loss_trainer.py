@@ -15,7 +15,7 @@ from transformers import (
 
 from hf_primal import PrimalTrainer, ksvd_loss
 from tests.conftest import bert_config, gpt2_config
-from tests.reference import reference_causal, reference_layer_J, reference_noncausal
+from tests.reference import reference_causal, reference_gammas, reference_layer_J, reference_noncausal
 
 
 def _split(t, heads):
@@ -83,7 +83,7 @@ def test_ksvd_loss_matches_spec_causal_with_left_padding(reduction):
         qkv = x @ m.c_attn.weight + m.c_attn.bias
         core = m.primal
         _, e, r = reference_causal(_split(qkv[..., :32], 4), _split(qkv[..., 32:64], 4), mask.bool(), core.We, core.Wr,
-                                   core.head_map.weight, core.head_map.bias)
+                                   core.head_map.weight, core.head_map.bias, gammas=reference_gammas(4))
         per_layer.append(reference_layer_J(e, r, mask.bool(), core.Lambda, core.We, core.Wr))
     expected = _expected_loss(per_layer, reduction)
     got = float(ksvd_loss(model, reduction))

@@ -24,7 +24,7 @@ from transformers.models.bert.modeling_bert import BertSelfAttention
 
 from hf_primal import primal_layers
 from tests.conftest import bert_config, capture_layer_io, gpt2_config, vit_config
-from tests.reference import reference_causal, reference_noncausal
+from tests.reference import reference_causal, reference_gammas, reference_noncausal
 
 ARCHS = {
     "bert": (lambda **kw: BertForSequenceClassification(bert_config(**kw)), "bert"),
@@ -112,7 +112,8 @@ def test_gpt2_layer_matches_spec_section_3_with_left_padding():
     qkv = x @ w + b
     q, k = _split(qkv[..., :32], 4), _split(qkv[..., 32:64], 4)
     core = attn.primal
-    y, _, _ = reference_causal(q, k, mask.bool(), core.We, core.Wr, core.head_map.weight, core.head_map.bias)
+    y, _, _ = reference_causal(q, k, mask.bool(), core.We, core.Wr, core.head_map.weight, core.head_map.bias,
+                               gammas=reference_gammas(4))
     expected = attn.c_proj(_merge(y).float())
     real = mask.bool()
     assert (store["out"][real] - expected[real]).abs().max() <= 1e-5
@@ -132,7 +133,8 @@ def test_causal_bert_decoder_matches_spec_section_3():
     x = store["x"]
     q, k = _split(attn.query(x), 4), _split(attn.key(x), 4)
     core = attn.primal
-    y, _, _ = reference_causal(q, k, mask.bool(), core.We, core.Wr, core.head_map.weight, core.head_map.bias)
+    y, _, _ = reference_causal(q, k, mask.bool(), core.We, core.Wr, core.head_map.weight, core.head_map.bias,
+                               gammas=reference_gammas(4))
     assert (store["out"].double() - _merge(y)).abs().max() <= 1e-5
 
 

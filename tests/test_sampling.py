@@ -98,7 +98,7 @@ def test_new_configs_use_segment_means_and_old_saved_configs_keep_legacy():
                                                              "eta": 0.1, "ksvd_reduction": "sequence"}}
     assert saved_config_dict(old)["primal_attention"]["sampling"] == "legacy"
     assert "sampling" not in old["primal_attention"]  # the caller's dict is left alone
-    new = {"primal_attention": {"layers": [-1], "sampling": "segment_mean"}}
+    new = {"primal_attention": {"layers": [-1], "sampling": "segment_mean", "causal_mixing": "decay"}}
     assert saved_config_dict(new) == new
     with pytest.raises(ValueError, match="PrimalAttentionConfig.sampling='uniform' is not allowed: use one of"):
         PrimalAttentionConfig(sampling="uniform")

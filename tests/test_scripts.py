@@ -403,7 +403,8 @@ def test_only_convert_takes_the_measured_or_last_k_choice(choice):
 def test_primal_flags_override_only_what_is_given():
     common = _load_script("common")
     args = common.ModelArguments(config_name="x", low_rank=7)
-    saved = {"layers": [0], "low_rank": 3, "rank_multi": 4, "eta": 0.5, "ksvd_reduction": "batch", "sampling": "legacy"}
+    saved = {"layers": [0], "low_rank": 3, "rank_multi": 4, "eta": 0.5, "ksvd_reduction": "batch", "sampling": "legacy",
+             "causal_mixing": "prefix_mean"}
     assert common.primal_config(args, saved).to_dict() == {**saved, "low_rank": 7}  # the saved rule is kept
     assert common.primal_config(args).to_dict() == {**hf_primal.PrimalAttentionConfig().to_dict(), "low_rank": 7}
 

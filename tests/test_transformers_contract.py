@@ -153,7 +153,9 @@ def test_attention_outputs_bert_are_the_sampled_primal_kernel(how):
 
 
 def test_attention_outputs_gpt2_are_the_causal_prefix_mean_kernel():
-    model = GPT2LMHeadModel(gpt2_config(primal_attention={"layers": [-1], "low_rank": 4}))
+    # The paper's rule by name (the kernel of the default rule: tests/test_analysis.py).
+    model = GPT2LMHeadModel(gpt2_config(primal_attention={"layers": [-1], "low_rank": 4,
+                                                          "causal_mixing": "prefix_mean"}))
     model.set_attn_implementation("eager")
     model.eval()
     ids, mask = _text(left=True)  # left padding, as batched generation has it
@@ -432,7 +434,9 @@ def test_padding_free_attention_matrices_are_block_diagonal():
 
 # ---------------------------------------------------------------------------------------------- cache introspection
 def test_past_key_values_format_and_cache_methods():
-    model = GPT2LMHeadModel(gpt2_config(primal_attention={"layers": [-1], "low_rank": 4})).eval()
+    # Plain sums under the paper's rule, so the state can be checked against q, k summed here.
+    model = GPT2LMHeadModel(gpt2_config(primal_attention={"layers": [-1], "low_rank": 4,
+                                                          "causal_mixing": "prefix_mean"})).eval()
     ids = torch.randint(1, 120, (3, 5))
     store, handles = _capture_layer_inputs(model)
     with torch.no_grad():

@@ -218,8 +218,7 @@ def convert_layers(model: nn.Module, architecture: Architecture, primal_config: 
         ignore += architecture.value_checkpoint_patterns(index)
         if is_primal_attention(module):
             module._primal_crop_window = spec.crop_window
-            module.primal.sampling = spec.sampling
-            module.primal.causal_mixing = spec.causal_mixing
+            module.primal.sampling, module.primal.causal_mixing = spec.sampling, spec.causal_mixing
             if isinstance(module.primal, KEPSVGPCore):
                 module.primal.covariance = spec.covariance
             continue
@@ -246,8 +245,7 @@ def convert_layers(model: nn.Module, architecture: Architecture, primal_config: 
             core.covariance = spec.covariance
         else:
             core = PrimalCore(heads, dim, spec.low_rank, samples, causal)
-        core.sampling = spec.sampling
-        core.causal_mixing = spec.causal_mixing
+        core.sampling, core.causal_mixing = spec.sampling, spec.causal_mixing
         module.__class__ = architecture.primal_class
         module.primal = core.to(device=reference.device, dtype=reference.dtype)
         module._primal_causal = causal

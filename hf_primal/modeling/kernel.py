@@ -9,9 +9,8 @@ KSVD a layer computes (``output_attentions=True``, hf_primal.tools.analysis).
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
-
 import math
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -119,6 +118,50 @@ def decay_since_state(keep: torch.Tensor, log_decay: torch.Tensor) -> torch.Tens
     after each of L new tokens."""
     rates = log_decay.to(device=keep.device)
     return torch.exp(keep.to(rates.dtype).cumsum(dim=1)[:, None, :] * rates[None, :, None])[..., None]
+
+
+def prefix_sums(
+    q: torch.Tensor, k: torch.Tensor, valid: Optional[torch.Tensor], state: Optional[Any],
+    segments: Optional[torch.Tensor], log_decay: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Running sums of q and k (B, H, L, d) and valid-token counts (B, L) after each new token, from `state` (a
+    `CausalState`: sum_q, sum_k, count);
+    restarting at each packed segment; decayed per head when `log_decay` ((H,), `causal_log_decay`) is given. Sums
+    are fp32 or wider: long prefixes lose precision in half precision."""
+    batch, _, length, _ = q.shape
+    if valid is not None:
+        drop = ~valid[:, None, :, None]
+        q, k = q.masked_fill(drop, 0.0), k.masked_fill(drop, 0.0)
+        counts = valid.float()
+    else:
+        counts = torch.ones(batch, length, device=q.device, dtype=torch.float32)
+    wide = torch.promote_types(q.dtype, torch.float32)
+    starts = None if segments is None else segment_starts(segments)
+    if log_decay is not None:
+        sum_q = decayed_cumsum(q, counts, log_decay, starts)
+        sum_k = decayed_cumsum(k, counts, log_decay, starts)
+        if state is not None:
+            left = decay_since_state(counts, log_decay)
+            sum_q = sum_q + state.sum_q[:, :, None, :].to(sum_q.dtype) * left
+            sum_k = sum_k + state.sum_k[:, :, None, :].to(sum_k.dtype) * left
+        sum_q, sum_k = sum_q.to(wide), sum_k.to(wide)
+        counts = counts.cumsum(dim=1) if starts is None else _segmented_cumsum(counts, starts, dim=1).float()
+        if state is not None:
+            counts = counts + state.count[:, None]
+        return sum_q, sum_k, counts
+    if starts is not None:
+        sum_q = _segmented_cumsum(q, starts, dim=2).to(wide)
+        sum_k = _segmented_cumsum(k, starts, dim=2).to(wide)
+        counts = _segmented_cumsum(counts, starts, dim=1).float()
+    else:
+        sum_q = torch.cumsum(q, dim=2, dtype=wide)
+        sum_k = torch.cumsum(k, dim=2, dtype=wide)
+        counts = counts.cumsum(dim=1)
+    if state is not None:
+        sum_q = sum_q + state.sum_q[:, :, None, :]
+        sum_k = sum_k + state.sum_k[:, :, None, :]
+        counts = counts + state.count[:, None]
+    return sum_q, sum_k, counts
 
 
 class _Packing(NamedTuple):

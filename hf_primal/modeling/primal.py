@@ -41,14 +41,11 @@ from .fused_heads import _heads_forward, _PrimalHeads
 from .kernel import (
     NORM_EPS,
     _Packing,
-    _segmented_cumsum,
     causal_log_decay,
-    decay_since_state,
-    decayed_cumsum,
     kernel_matrix,
     prefix_mean_features,
+    prefix_sums,
     sampled_gram,
-    segment_starts,
 )
 from .sampling import sampled_weights
 
@@ -79,49 +76,6 @@ class CausalState(NamedTuple):
     sum_k: torch.Tensor
     count: torch.Tensor
 
-
-
-def _prefix_sums(
-    q: torch.Tensor, k: torch.Tensor, valid: Optional[torch.Tensor], state: Optional[CausalState],
-    segments: Optional[torch.Tensor], log_decay: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Running sums of q and k (B, H, L, d) and valid-token counts (B, L) after each new token, from `state`;
-    restarting at each packed segment; decayed per head when `log_decay` ((H,), `causal_log_decay`) is given. Sums
-    are fp32 or wider: long prefixes lose precision in half precision."""
-    batch, _, length, _ = q.shape
-    if valid is not None:
-        drop = ~valid[:, None, :, None]
-        q, k = q.masked_fill(drop, 0.0), k.masked_fill(drop, 0.0)
-        counts = valid.float()
-    else:
-        counts = torch.ones(batch, length, device=q.device, dtype=torch.float32)
-    wide = torch.promote_types(q.dtype, torch.float32)
-    starts = None if segments is None else segment_starts(segments)
-    if log_decay is not None:
-        sum_q = decayed_cumsum(q, counts, log_decay, starts)
-        sum_k = decayed_cumsum(k, counts, log_decay, starts)
-        if state is not None:
-            left = decay_since_state(counts, log_decay)
-            sum_q = sum_q + state.sum_q[:, :, None, :].to(sum_q.dtype) * left
-            sum_k = sum_k + state.sum_k[:, :, None, :].to(sum_k.dtype) * left
-        sum_q, sum_k = sum_q.to(wide), sum_k.to(wide)
-        counts = counts.cumsum(dim=1) if starts is None else _segmented_cumsum(counts, starts, dim=1).float()
-        if state is not None:
-            counts = counts + state.count[:, None]
-        return sum_q, sum_k, counts
-    if starts is not None:
-        sum_q = _segmented_cumsum(q, starts, dim=2).to(wide)
-        sum_k = _segmented_cumsum(k, starts, dim=2).to(wide)
-        counts = _segmented_cumsum(counts, starts, dim=1).float()
-    else:
-        sum_q = torch.cumsum(q, dim=2, dtype=wide)
-        sum_k = torch.cumsum(k, dim=2, dtype=wide)
-        counts = counts.cumsum(dim=1)
-    if state is not None:
-        sum_q = sum_q + state.sum_q[:, :, None, :]
-        sum_k = sum_k + state.sum_k[:, :, None, :]
-        counts = counts + state.count[:, None]
-    return sum_q, sum_k, counts
 
 
 def init_functions(init: Any, probe: torch.Tensor) -> Any:
@@ -323,7 +277,7 @@ class PrimalCore(nn.Module):
         if decoding and length == 1 and history == 0:
             y, new_state = self._decode_step(q, k, valid, state)
             return y, None, new_state
-        sum_q, sum_k, counts = _prefix_sums(q, k, valid, state, segments, self.log_decay(q.device))
+        sum_q, sum_k, counts = prefix_sums(q, k, valid, state, segments, self.log_decay(q.device))
         # Clones, so that a cache holding the state does not pin the whole (B, H, L, d) prefix sums.
         if history > 0:
             n = min(length, int(history))

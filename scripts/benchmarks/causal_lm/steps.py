@@ -50,13 +50,15 @@ def _decode_once(model, prompt: torch.Tensor, steps: int) -> tuple[list[float], 
 
 def decode_rows(variants: list[str], recipe: Recipe, contexts: list[int], steps: int, threads: int,
                 vocab_size: int = 257, rounds: int = 3) -> list[dict]:
-    """Median per-token decode time and the cache's bytes for each row's GPT-2 (batch 1) after a prompt of each
-    context length, the rows alternating round-robin `rounds` times in this process; ratios to softmax."""
+    """Median per-token decode time and the cache's bytes for each row's GPT-2 (batch 1) decoding the last `steps`
+    tokens of each context length, the rows alternating round-robin `rounds` times in this process; ratios to softmax."""
     torch.set_num_threads(threads)
     models = {variant: build(variant, vocab_size, recipe, 0).eval() for variant in variants}
     rows = []
     for context in contexts:
-        prompt = torch.randint(0, vocab_size - 1, (1, context), generator=torch.Generator().manual_seed(context))
+        # The prompt leaves room for the decoded tokens, so the context ends at `context` tokens (the position table).
+        prompt = torch.randint(0, vocab_size - 1, (1, context - steps),
+                               generator=torch.Generator().manual_seed(context))
         times: dict[str, list[float]] = {variant: [] for variant in variants}
         nbytes: dict[str, int] = {}
         for _ in range(rounds):
