@@ -51,7 +51,8 @@ def _decode_once(model, prompt: torch.Tensor, steps: int) -> tuple[list[float], 
 def decode_rows(variants: list[str], recipe: Recipe, contexts: list[int], steps: int, threads: int,
                 vocab_size: int = 257, rounds: int = 3) -> list[dict]:
     """Median per-token decode time and the cache's bytes for each row's GPT-2 (batch 1) decoding the last `steps`
-    tokens of each context length, the rows alternating round-robin `rounds` times in this process; ratios to softmax."""
+    tokens of each context length, the rows alternating round-robin `rounds` times in this process; ratios to
+    softmax."""
     torch.set_num_threads(threads)
     models = {variant: build(variant, vocab_size, recipe, 0).eval() for variant in variants}
     rows = []
