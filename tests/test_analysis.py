@@ -12,7 +12,7 @@ from hf_primal.tools.analysis import (
     plot_attention_spectrum,
 )
 from tests.conftest import bert_config, gpt2_config
-from tests.reference import _slot_rows
+from tests.reference import _slot_rows, reference_gammas
 
 
 def test_rank_one_matrix_explains_everything_with_its_first_singular_value():
@@ -124,7 +124,7 @@ def test_causal_primal_layer_uses_normalised_prefix_means(mixing):
     qk = store["x"].double() @ attn.c_attn.weight.double() + attn.c_attn.bias.double()
     q, k = qk[0, :, :32].view(10, 4, 8), qk[0, :, 32:64].view(10, 4, 8)
     # Token j's weight in position i's mean: 1 (prefix mean), or gamma_h^(i - j) with docs/method.md's gamma_h.
-    gammas = torch.tensor([1 - 2.0 ** -(1 + 9 * h / 3) for h in range(4)], dtype=torch.float64)
+    gammas = torch.tensor(reference_gammas(4), dtype=torch.float64)
     age = (torch.arange(10)[:, None] - torch.arange(10)[None, :]).clamp(min=0).double()
     causal = torch.tril(torch.ones(10, 10, dtype=torch.float64))
     weights = causal[None].expand(4, 10, 10) if mixing == "prefix_mean" else causal * gammas[:, None, None] ** age

@@ -6,18 +6,13 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import hf_primal  # noqa: F401  (GPT2Config takes primal_attention)
+from hf_primal.modeling.cache import cache_kwarg
 from hf_primal.modeling.config import PrimalAttentionConfig, saved_config_dict
 from hf_primal.modeling.kernel import decayed_cumsum, segment_starts
 from hf_primal.modeling.primal import PrimalCore, ksvd_objective
-from tests.reference import reference_causal, reference_layer_J
+from tests.reference import reference_causal, reference_gammas, reference_layer_J
 
 H, D, S = 4, 5, 3
-
-
-def documented_gammas(heads):
-    """docs/method.md: gamma_h = 1 - 2^-b_h, b_h evenly spaced from 1 to 10 over the heads (1 for a single head)."""
-    exponents = [1.0] if heads == 1 else [1 + 9 * h / (heads - 1) for h in range(heads)]
-    return [1 - 2.0 ** -b for b in exponents]
 
 
 def _core(mixing="decay"):
@@ -45,7 +40,7 @@ def _inputs(batch=3, length=10, mask="left"):
 def test_schedule_is_the_documented_one(heads):
     core = PrimalCore(heads, D, S, 0, True)
     core.causal_mixing = "decay"
-    expected = torch.tensor(documented_gammas(heads), dtype=torch.float64)
+    expected = torch.tensor(reference_gammas(heads), dtype=torch.float64)
     assert torch.allclose(core.log_decay(torch.device("cpu")).exp(), expected, rtol=1e-12)
     core.causal_mixing = "prefix_mean"
     assert core.log_decay(torch.device("cpu")) is None
@@ -57,7 +52,7 @@ def test_decayed_layer_matches_reference_and_continues_its_state(mask):
     q, k, valid = _inputs(mask=mask)
     y, terms, state = core.causal_forward(q, k, valid)
     y_ref, e_ref, r_ref = reference_causal(q, k, valid, core.We, core.Wr, core.head_map.weight, core.head_map.bias,
-                                           gammas=documented_gammas(H))
+                                           gammas=reference_gammas(H))
     assert (y - y_ref).abs().max() < 1e-10
     assert torch.all(y.transpose(1, 2)[~valid] == 0)
     per_seq, _ = reference_layer_J(e_ref, r_ref, valid, core.Lambda, core.We, core.Wr)
@@ -168,11 +163,6 @@ def test_gpt2_default_decays_and_round_trips_its_rule(tmp_path):
         assert torch.allclose(loaded(ids).logits, expected, atol=1e-6)
     # Incremental decoding with the cache equals recomputation.
     out = model(ids[:, :7], use_cache=True)
-    rest = model(ids[:, 7:], **{_cache_kwarg(): out.past_key_values}).logits
+    rest = model(ids[:, 7:], **{cache_kwarg(): out.past_key_values}).logits
     assert torch.allclose(rest, logits[:, 7:], atol=1e-5)
 
-
-def _cache_kwarg():
-    from hf_primal.modeling.cache import cache_kwarg
-
-    return cache_kwarg()

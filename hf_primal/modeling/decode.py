@@ -51,8 +51,8 @@ def decode_step(
     if log_decay is None:
         sum_q, sum_k = sum_q0 + q1, sum_k0 + k1
     else:
-        steps = torch.ones_like(count0) if keep is None else keep.to(count0.dtype)
-        left = torch.exp(steps[:, None].to(log_decay.dtype) * log_decay[None, :]).to(wide)[..., None]  # (B, H, 1)
+        gamma = log_decay.exp().to(wide)[None, :, None]  # (1, H, 1); a padded token does not age the sums
+        left = gamma if keep is None else torch.where(keep[:, None, None], gamma, torch.ones((), dtype=wide))
         sum_q, sum_k = sum_q0 * left + q1, sum_k0 * left + k1
     floor = (count.clamp(min=1.0) * NORM_EPS).to(wide)[:, None, None, None]  # (B, 1, 1, 1)
     scores = []

@@ -2,7 +2,8 @@
 
 Packed rows hold several sequences (padding-free training): `segment_starts` / `_segmented_cumsum` restart the
 causal prefix sums at each segment, `_Packing` turns each segment of a non-causal batch into a sequence of its own.
-`causal_log_decay` / `decayed_cumsum` are the causal layer's decayed running sums (``causal_mixing="decay"``).
+`causal_log_decay` / `decayed_cumsum` are the causal layer's decayed running sums (``causal_mixing="decay"``);
+`running_sums` / `running_counts` / `prefix_sums` the causal layer's sums of either rule, for its forward and kernel.
 `prefix_mean_features`, `sampled_gram` and `kernel_matrix` build, with plain autograd ops, the kernel matrix whose
 KSVD a layer computes (``output_attentions=True``, hf_primal.tools.analysis).
 """
@@ -120,48 +121,50 @@ def decay_since_state(keep: torch.Tensor, log_decay: torch.Tensor) -> torch.Tens
     return torch.exp(keep.to(rates.dtype).cumsum(dim=1)[:, None, :] * rates[None, :, None])[..., None]
 
 
+def running_sums(
+    v: torch.Tensor, keep: torch.Tensor, dtype: torch.dtype, starts: Optional[torch.Tensor] = None,
+    log_decay: Optional[torch.Tensor] = None, state_sum: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """(B, H, L, d) running sums of `v` (zero at dropped tokens) after each token, in `dtype`: plain, or decayed per
+    head when `log_decay` is given (`decayed_cumsum`); restarting at each packed segment (`starts`, from
+    `segment_starts`); continuing `state_sum` ((B, H, d), the sums before these tokens) when given."""
+    if log_decay is not None:
+        sums = decayed_cumsum(v, keep, log_decay, starts)
+        if state_sum is not None:
+            sums = sums + state_sum[:, :, None, :].to(sums.dtype) * decay_since_state(keep, log_decay)
+        return sums.to(dtype)
+    sums = torch.cumsum(v, dim=2, dtype=dtype) if starts is None else _segmented_cumsum(v, starts, dim=2).to(dtype)
+    return sums if state_sum is None else sums + state_sum[:, :, None, :].to(dtype)
+
+
+def running_counts(
+    keep: torch.Tensor, starts: Optional[torch.Tensor] = None, state_count: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """(B, L) number of kept tokens up to each position (restarting at packed segments, continuing `state_count`),
+    in `keep`'s dtype."""
+    counts = keep.cumsum(dim=1) if starts is None else _segmented_cumsum(keep, starts, dim=1).to(keep.dtype)
+    return counts if state_count is None else counts + state_count[:, None].to(counts.dtype)
+
+
 def prefix_sums(
     q: torch.Tensor, k: torch.Tensor, valid: Optional[torch.Tensor], state: Optional[Any],
     segments: Optional[torch.Tensor], log_decay: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Running sums of q and k (B, H, L, d) and valid-token counts (B, L) after each new token, from `state` (a
-    `CausalState`: sum_q, sum_k, count);
-    restarting at each packed segment; decayed per head when `log_decay` ((H,), `causal_log_decay`) is given. Sums
-    are fp32 or wider: long prefixes lose precision in half precision."""
+    `CausalState`: sum_q, sum_k, count); restarting at each packed segment; decayed per head when `log_decay` ((H,),
+    `causal_log_decay`) is given. Sums are fp32 or wider: long prefixes lose precision in half precision."""
     batch, _, length, _ = q.shape
     if valid is not None:
         drop = ~valid[:, None, :, None]
         q, k = q.masked_fill(drop, 0.0), k.masked_fill(drop, 0.0)
-        counts = valid.float()
+        keep = valid.float()
     else:
-        counts = torch.ones(batch, length, device=q.device, dtype=torch.float32)
+        keep = torch.ones(batch, length, device=q.device, dtype=torch.float32)
     wide = torch.promote_types(q.dtype, torch.float32)
     starts = None if segments is None else segment_starts(segments)
-    if log_decay is not None:
-        sum_q = decayed_cumsum(q, counts, log_decay, starts)
-        sum_k = decayed_cumsum(k, counts, log_decay, starts)
-        if state is not None:
-            left = decay_since_state(counts, log_decay)
-            sum_q = sum_q + state.sum_q[:, :, None, :].to(sum_q.dtype) * left
-            sum_k = sum_k + state.sum_k[:, :, None, :].to(sum_k.dtype) * left
-        sum_q, sum_k = sum_q.to(wide), sum_k.to(wide)
-        counts = counts.cumsum(dim=1) if starts is None else _segmented_cumsum(counts, starts, dim=1).float()
-        if state is not None:
-            counts = counts + state.count[:, None]
-        return sum_q, sum_k, counts
-    if starts is not None:
-        sum_q = _segmented_cumsum(q, starts, dim=2).to(wide)
-        sum_k = _segmented_cumsum(k, starts, dim=2).to(wide)
-        counts = _segmented_cumsum(counts, starts, dim=1).float()
-    else:
-        sum_q = torch.cumsum(q, dim=2, dtype=wide)
-        sum_k = torch.cumsum(k, dim=2, dtype=wide)
-        counts = counts.cumsum(dim=1)
-    if state is not None:
-        sum_q = sum_q + state.sum_q[:, :, None, :]
-        sum_k = sum_k + state.sum_k[:, :, None, :]
-        counts = counts + state.count[:, None]
-    return sum_q, sum_k, counts
+    sum_q = running_sums(q, keep, wide, starts, log_decay, None if state is None else state.sum_q)
+    sum_k = running_sums(k, keep, wide, starts, log_decay, None if state is None else state.sum_k)
+    return sum_q, sum_k, running_counts(keep, starts, None if state is None else state.count)
 
 
 class _Packing(NamedTuple):
@@ -254,23 +257,8 @@ def prefix_mean_features(
     if segments is not None and state_sum is not None:
         raise ValueError("packed segments start new sequences: they cannot continue a cached state")
     starts = None if segments is None else segment_starts(segments)
-    if starts is not None:
-        counts = _segmented_cumsum(keep, starts, dim=1).to(dtype)
-    else:
-        counts = keep.cumsum(dim=1)
-    if log_decay is not None:
-        sums = decayed_cumsum(v, keep, log_decay, starts)
-        if state_sum is not None:
-            sums = sums + state_sum[:, :, None, :].to(sums.dtype) * decay_since_state(keep, log_decay)
-        sums = sums.to(dtype)
-    elif starts is not None:
-        sums = _segmented_cumsum(v, starts, dim=2).to(dtype)
-    else:
-        sums = v.cumsum(dim=2)
-    if state_sum is not None:
-        if log_decay is None:
-            sums = sums + state_sum[:, :, None, :].to(dtype)
-        counts = counts + state_count[:, None].to(dtype)
+    sums = running_sums(v, keep, dtype, starts, log_decay, state_sum)
+    counts = running_counts(keep, starts, state_count)
     means = sums / counts.clamp(min=1.0)[:, None, :, None]
     return F.normalize(means, dim=-1, eps=NORM_EPS)
 
