@@ -101,9 +101,22 @@ def headline_row(summary) -> str:
             f"| `causal_lm_summary.csv` |")
 
 
+def state_sentence(decode) -> str:
+    """The README's state sizes, from causal_lm_decode.csv: the primal state (the same at every context) and
+    softmax's KV cache at the longest context."""
+    primal = {int(r["state_bytes"]) for r in decode if r["variant"] == "primal"}
+    longest = max(int(r["context"]) for r in decode)
+    kv = next(int(r["state_bytes"]) for r in decode if r["variant"] == "softmax" and int(r["context"]) == longest)
+    assert len(primal) == 1
+    return (f"({primal.pop() / 1024:.0f} KiB for the 4-layer byte model\nat any context, against {kv / 2**20:.0f} MiB "
+            f"of KV cache at {longest:,} tokens)")
+
+
 def test_readme_causal_lm_row_is_that_of_the_results_file():
     summary = _rows(RESULTS / "causal_lm_summary.csv")
-    assert headline_row(summary) in (ROOT / "README.md").read_text(encoding="utf-8")
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert headline_row(summary) in readme
+    assert state_sentence(_rows(RESULTS / "causal_lm_decode.csv")) in readme
 
 
 ORDER = ("softmax", "primal-last", "primal", "primal-prefix_mean", "no-mixing", "bigram")
